@@ -1,0 +1,20 @@
+"""Registered model families; importing this module registers them all."""
+
+from lgvit.models import lsa  # noqa: F401  (registers the LSA family)
+from lgvit.models.registry import (
+    ModelConfig,
+    create_model,
+    get_model_config,
+    is_model,
+    list_models,
+    register_model,
+)
+
+__all__ = [
+    "ModelConfig",
+    "create_model",
+    "get_model_config",
+    "is_model",
+    "list_models",
+    "register_model",
+]
