@@ -1,0 +1,399 @@
+"""Training configuration as plain data: a dataclass, a flat YAML file, command-line overrides.
+
+Precedence, lowest to highest: the dataclass defaults, the YAML file, explicit command-line flags
+(keyword arguments that are not None), then ``--set key=value`` items, applied last so they win.
+
+The YAML file is a *flat* mapping of field names to values; a nested mapping is an error naming
+the key (one namespace keeps ``--set key=value`` and the file in the same terms). Values are
+coerced to the field's type: ``5e-4`` (which YAML 1.1 reads as a string) becomes a float, a
+two-item list becomes a tuple, ``null``/``none`` becomes None for optional fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lgvit.checkpoint import atomic_write_bytes
+from lgvit.errors import LgvitError
+
+__all__ = [
+    "AMP_MODES",
+    "DATASETS",
+    "TrainConfig",
+    "config_from_dict",
+    "config_keys",
+    "config_to_dict",
+    "load_config",
+    "save_config",
+    "scaled_lr",
+    "validate_config",
+]
+
+DATASETS = ("cifar10", "cifar100", "imagefolder", "digits", "synthetic")
+AMP_MODES = ("auto", "bf16", "fp16", "none")
+TRAIN_CROPS = ("random_crop", "random_resized_crop", "none")
+RE_MODES = ("pixel", "rand", "const")  # random erasing fill, as in timm
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; saved with every checkpoint."""
+
+    # model
+    model: str = "lsa_micro_cifar"
+    num_classes: int | None = None  # None -> from the dataset
+    img_size: int | None = None  # None -> model default
+    drop_path: float = 0.1
+    # data
+    data: str = "cifar10"  # cifar10 | cifar100 | imagefolder | digits | synthetic
+    data_dir: str | None = None
+    cache_dir: str | None = None
+    max_bad_fraction: float = 0.05
+    # schedule
+    epochs: int = 300
+    batch_size: int = 64  # per process
+    lr: float = 5e-4  # for a global batch of lr_base_batch; scaled linearly, see scaled_lr()
+    lr_base_batch: int = 512
+    min_lr: float = 1e-5
+    warmup_lr: float = 1e-6
+    warmup_epochs: float = 5.0
+    weight_decay: float = 0.05
+    clip_grad: float | None = 5.0
+    opt_betas: tuple[float, float] = (0.9, 0.999)
+    opt_eps: float = 1e-8
+    # augmentation (DeiT)
+    train_crop: str = "random_crop"  # random_crop | random_resized_crop | none
+    hflip: bool = True
+    rand_augment: str | None = "rand-m9-mstd0.5-inc1"
+    mixup: float = 0.8
+    cutmix: float = 1.0
+    mixup_switch_prob: float = 0.5
+    mixup_prob: float = 1.0
+    label_smoothing: float = 0.1
+    reprob: float = 0.25
+    remode: str = "pixel"
+    repeated_aug: int = 1
+    crop_pct: float = 0.875
+    # model EMA
+    ema: bool = False
+    ema_decay: float = 0.99996
+    # run
+    amp: str = "auto"  # auto | bf16 | fp16 | none
+    compile: bool = False
+    seed: int = 0
+    workers: int = 2
+    out: str = "runs/default"
+    resume: str | None = None  # None | 'auto' | path
+    eval_every: int = 1
+    save_every: int = 1
+    max_nonfinite: int = 0  # (reserved) non-finite losses tolerated before stopping
+    log_every: int = 50
+    time_limit_min: float | None = None  # stop cleanly after this many minutes of training
+
+
+_FIELDS: dict[str, Any] = typing.get_type_hints(TrainConfig)
+
+
+def config_keys() -> list[str]:
+    """The valid configuration keys, in declaration order."""
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+# --------------------------------------------------------------------------- coercion
+
+
+class _Bad(Exception):
+    """Internal: a value does not fit a type; the message says what was expected."""
+
+
+def _split_optional(tp: Any) -> tuple[Any, bool]:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _describe(tp: Any, optional: bool) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    if typing.get_origin(tp) is tuple:
+        n = len(typing.get_args(tp))
+        text = f"a list of {n} numbers"
+    else:
+        text = names.get(tp, str(tp))
+    return text + (" or null" if optional else "")
+
+
+def _coerce_scalar(value: Any, tp: Any, raw: str | None) -> Any:
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if raw is not None:
+            # `--set out=007`: YAML made it the int 7; the text the user typed is what they meant.
+            return raw
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise _Bad
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Bad
+    if isinstance(value, bool):  # bool is an int subclass; "epochs: yes" is a mistake
+        raise _Bad
+    if tp is int:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                as_float = float(value)  # "1e3" (a string to YAML 1.1)
+            except ValueError:
+                raise _Bad from None
+            if as_float.is_integer():
+                return int(as_float)
+        raise _Bad
+    if tp is float:
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads "5e-4" as a string
+            except ValueError:
+                raise _Bad from None
+        raise _Bad
+    raise TypeError(f"unsupported config field type {tp!r}")  # a bug in TrainConfig
+
+
+def _coerce(value: Any, tp: Any, raw: str | None = None) -> Any:
+    inner, optional = _split_optional(tp)
+    if value is None or (optional and isinstance(value, str) and value.lower() == "none"):
+        if optional:
+            return None
+        raise _Bad
+    if typing.get_origin(inner) is tuple:
+        items = value
+        if isinstance(value, str):  # "0.9,0.95" as well as "[0.9, 0.95]"
+            items = [v.strip() for v in value.strip("()[] ").split(",")]
+        args = typing.get_args(inner)
+        if not isinstance(items, list | tuple) or len(items) != len(args):
+            raise _Bad
+        return tuple(_coerce_scalar(v, a, None) for v, a in zip(items, args, strict=True))
+    return _coerce_scalar(value, inner, raw)
+
+
+def _set_value(
+    values: dict[str, Any],
+    sources: dict[str, str],
+    key: Any,
+    value: Any,
+    where: str,
+    shown: str,
+    raw: str | None = None,
+) -> None:
+    """Coerce ``value`` into ``values[key]``; ``shown`` is how the error quotes the setting."""
+    if not isinstance(key, str) or key not in _FIELDS:
+        raise LgvitError(_unknown_key_message(key, where))
+    try:
+        values[key] = _coerce(value, _FIELDS[key], raw)
+    except _Bad:
+        inner, optional = _split_optional(_FIELDS[key])
+        raise LgvitError(f"{shown}: expected {_describe(inner, optional)}") from None
+    sources[key] = where
+
+
+def _unknown_key_message(key: Any, where: str) -> str:
+    close = difflib.get_close_matches(str(key), config_keys(), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{where}: unknown config key {key!r}{hint}; valid keys: {', '.join(config_keys())}"
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one)."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _construct_mapping,  # type: ignore[arg-type]
+)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise LgvitError(f"{path}: no such config file")
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise LgvitError(f"{path}: invalid YAML{where}: {problem}") from None
+    except UnicodeDecodeError:
+        raise LgvitError(f"{path}: not a text file (UTF-8)") from None
+    if data is None:  # an empty file means "all defaults"
+        return {}
+    if not isinstance(data, dict):
+        raise LgvitError(
+            f"{path}: top level must be a mapping of config keys, got {type(data).__name__}"
+        )
+    for key, value in data.items():
+        if isinstance(value, dict):
+            raise LgvitError(
+                f"{path}: key {key!r} holds a nested mapping; lgvit configs are flat (key: value)"
+            )
+    return data
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def load_config(path: str | Path | None, overrides: Iterable[str] = (), **cli: Any) -> TrainConfig:
+    """Defaults, then the YAML file at ``path``, then ``cli`` keywords that are not None, then
+    ``--set key=value`` ``overrides`` (last wins). The result is validated."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if path is not None:
+        p = Path(path)
+        for key, value in _read_yaml(p).items():
+            _set_value(values, sources, key, value, str(p), f"{p}: {key}={value!r}")
+    for key, value in cli.items():
+        if value is None:  # an absent flag; explicit values only
+            continue
+        flag = "--" + str(key).replace("_", "-")
+        _set_value(values, sources, key, value, flag, f"{flag} {value!r}")
+    if overrides is None:
+        overrides = ()
+    elif isinstance(overrides, str):  # one "k=v" string, not an iterable of characters
+        overrides = [overrides]
+    for item in overrides:
+        key, sep, text = str(item).partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise LgvitError(f"--set {item!r}: expected key=value")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text  # e.g. "a: b" is YAML syntax; keep the text for a str field
+        _set_value(values, sources, key, value, "--set", f"--set {key}={text}", raw=text)
+    cfg = TrainConfig(**values)
+    validate_config(cfg, sources)
+    return cfg
+
+
+def config_from_dict(data: Mapping[str, Any], source: str = "config") -> TrainConfig:
+    """A validated TrainConfig from a plain dict (e.g. the one stored in a checkpoint)."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key, value in data.items():
+        _set_value(values, sources, key, value, source, f"{source}: {key}={value!r}")
+    cfg = TrainConfig(**values)
+    validate_config(cfg, sources)
+    return cfg
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """Plain dict of the config (tuples become lists) for YAML, JSON and checkpoints."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
+
+
+def save_config(cfg: TrainConfig, path: str | Path) -> None:
+    """Write the config as flat YAML, atomically; ``load_config(path)`` reads it back equal."""
+    text = "# lgvit training config (resolved)\n" + yaml.safe_dump(
+        config_to_dict(cfg), sort_keys=False, default_flow_style=None
+    )
+    atomic_write_bytes(Path(path), text.encode("utf-8"))
+
+
+def scaled_lr(cfg: TrainConfig, world_size: int) -> float:
+    """Peak learning rate for this run: ``lr * global_batch / lr_base_batch`` (DeiT's rule)."""
+    return cfg.lr * cfg.batch_size * world_size / cfg.lr_base_batch
+
+
+def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) -> None:
+    """Raise LgvitError naming the first key whose value is out of range."""
+    sources = sources or {}
+
+    def fail(key: str, rule: str) -> None:
+        origin = sources.get(key)
+        where = f" (from {origin})" if origin else ""
+        raise LgvitError(f"{key}={getattr(cfg, key)!r}{where}: {rule}")
+
+    def choice(key: str, allowed: Iterable[str]) -> None:
+        allowed = tuple(allowed)
+        if getattr(cfg, key) not in allowed:
+            fail(key, f"must be one of {', '.join(allowed)}")
+
+    def at_least(key: str, low: float, optional: bool = False) -> None:
+        v = getattr(cfg, key)
+        if v is None and optional:
+            return
+        if not v >= low:  # also catches NaN
+            fail(key, f"must be >= {low}")
+
+    def positive(key: str, optional: bool = False) -> None:
+        v = getattr(cfg, key)
+        if v is None and optional:
+            return
+        if not v > 0:
+            fail(key, "must be > 0")
+
+    def unit(key: str, upper_open: bool = False) -> None:
+        v = getattr(cfg, key)
+        ok = 0 <= v < 1 if upper_open else 0 <= v <= 1
+        if not ok:
+            fail(key, f"must be in [0, 1{')' if upper_open else ']'}")
+
+    choice("data", DATASETS)
+    choice("amp", AMP_MODES)
+    choice("train_crop", TRAIN_CROPS)
+    choice("remode", RE_MODES)
+    if not cfg.model:
+        fail("model", "must name a model")
+    for key in ("epochs", "batch_size", "lr_base_batch", "repeated_aug"):
+        at_least(key, 1)
+    for key in ("eval_every", "save_every", "log_every"):
+        at_least(key, 1)
+    at_least("num_classes", 1, optional=True)
+    at_least("img_size", 1, optional=True)
+    for key in ("lr", "min_lr", "warmup_lr", "warmup_epochs", "weight_decay", "mixup", "cutmix"):
+        at_least(key, 0)
+    at_least("workers", 0)
+    at_least("max_nonfinite", 0)
+    positive("clip_grad", optional=True)
+    positive("time_limit_min", optional=True)
+    positive("opt_eps")
+    positive("crop_pct")
+    for key in ("max_bad_fraction", "mixup_switch_prob", "mixup_prob", "reprob", "drop_path"):
+        unit(key)
+    unit("label_smoothing", upper_open=True)
+    unit("ema_decay", upper_open=True)
+    if cfg.crop_pct > 1:
+        fail("crop_pct", "must be in (0, 1]")
+    if not all(0 <= b < 1 for b in cfg.opt_betas):
+        fail("opt_betas", "both betas must be in [0, 1)")
+    if cfg.data == "imagefolder" and not cfg.data_dir:
+        fail("data_dir", "data=imagefolder needs data_dir")
