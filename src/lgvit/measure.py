@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from lgvit.models import create_model, get_model_config
@@ -28,12 +29,14 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int], batch: int = 
     Counts what FlopCounterMode counts: matmuls, convolutions and attention (SDPA), i.e. every
     multiply-accumulate-bound op; element-wise ops, norms, softmax and pooling are not counted,
     which is also how the papers count. Runs on whatever device the model is on (meta is fine).
+    Attention runs through SDPA's math backend here: FlopCounterMode has no formula for the
+    fused CPU kernel and would silently count attention as zero.
     """
     p = next(model.parameters())
     x = torch.zeros(batch, *input_size, device=p.device, dtype=p.dtype)
     was_training = model.training
     model.eval()
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(x)
     model.train(was_training)
     return counter.get_total_flops() // 2

@@ -1,0 +1,31 @@
+# Two commands for a fresh machine (README): `make demo` and `make test`.
+# torch==2.13.0 is installed first so pip takes the local CPU build here; the package itself
+# only asks for torch>=2.4, so GPU users keep their CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.lgvit-installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/lgvit info
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_lsa.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

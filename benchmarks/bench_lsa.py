@@ -1,0 +1,169 @@
+"""CPU speed of lsa_tiny_cifar: inference and training step, fp32 and bf16, ours vs the authors'.
+
+Prints a table of img/s, MACs and MFU (model FLOPs/s over a bf16 or fp32 matmul peak measured in
+the same run). Configurations are timed alternately, round by round, so machine noise hits all of
+them alike; the table reports per-configuration medians and the speed-up ratios.
+
+    python benchmarks/bench_lsa.py                      # ours only
+    python benchmarks/bench_lsa.py --authors-repo /tmp/Locally-SAG-Transformer
+
+``--authors-repo`` points to a checkout of github.com/shellysheynin/Locally-SAG-Transformer
+(it needs ``pip install einops``); their ``cifar/cifar_model.py`` model is built with the
+configuration of their ``main_tiny_cifar.py``. Nothing of theirs is part of lgvit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import lgvit
+from lgvit.measure import count_macs, count_params, matmul_peak_flops
+
+
+def build_authors_model(repo: str) -> nn.Module:
+    """Their tiny CIFAR model, configured as in their main_tiny_cifar.py."""
+    sys.path.insert(0, repo)
+    try:
+        from cifar.cifar_model import ShiftingTransformer  # type: ignore[import-not-found]
+    except ImportError as e:
+        sys.exit(f"bench_lsa: cannot import the authors' model from {repo}: {e}")
+    out = tempfile.mkdtemp(prefix="lsa_authors_")
+    with contextlib.redirect_stdout(None):  # their constructor prints the pyramid
+        return ShiftingTransformer(
+            scaling_factor=4,
+            output_dir=out,
+            num_variants=18,
+            image_size=32,
+            patch_size=1,
+            embedding_dim=((192, 192),) * 4,
+            heads=4,  # their script's value; the paper's is 3
+            num_hierarchies=4,
+            num_layers_per_block=(2, 4, 4, 4),
+            num_classes=10,
+            init_patch_embed_size=1,
+            kernel_size=3,
+            stride_size=1,
+            padding_size=1,
+        )
+
+
+def make_step(
+    model: nn.Module, batch: int, train: bool, bf16: bool, fused_adamw: bool
+) -> Callable[[], None]:
+    x = torch.randn(batch, 3, 32, 32)
+    y = torch.randint(0, 10, (batch,))
+    amp = (
+        torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    )
+    if not train:
+        model.eval()
+
+        def infer() -> None:
+            with torch.inference_mode(), amp:
+                model(x)
+
+        return infer
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adamw or None)
+
+    def step() -> None:
+        with amp:
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="lsa_tiny_cifar")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (alternating)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--authors-repo", default=None)
+    ap.add_argument("--modes", nargs="+", default=["infer", "train"])
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    ours = lgvit.create_model(args.model)
+    macs = count_macs(ours, (3, 32, 32))
+    impls: dict[str, nn.Module] = {"lgvit": ours}
+    if args.authors_repo:
+        impls["authors"] = build_authors_model(args.authors_repo)
+    print(f"threads {args.threads}, torch {torch.__version__}, model {args.model}: "
+          f"{count_params(ours) / 1e6:.2f}M params, {macs / 1e9:.2f} GMACs/img (ours)")
+    for name, m in impls.items():
+        if name != "lgvit":
+            print(f"{name}: {count_params(m) / 1e6:.2f}M params")
+
+    peaks = {
+        "bf16": matmul_peak_flops(torch.bfloat16),
+        "fp32": matmul_peak_flops(torch.float32),
+    }
+    print(f"matmul peak: bf16 {peaks['bf16'] / 1e12:.2f} TFLOP/s, "
+          f"fp32 {peaks['fp32'] / 1e12:.2f} TFLOP/s (2048^3 mm, this run)")
+
+    configs = []
+    for bs in args.batch_sizes:
+        for mode in args.modes:
+            for impl in impls:
+                for prec in ("fp32", "bf16"):
+                    configs.append((impl, mode, prec, bs))
+    steps = {}
+    for c in configs:
+        impl, mode, prec, bs = c
+        steps[c] = make_step(impls[impl], bs, mode == "train", prec == "bf16", impl == "lgvit")
+        steps[c]()  # warm-up (allocations, oneDNN kernel selection)
+    times: dict[tuple, list[float]] = {c: [] for c in configs}
+    for _ in range(args.rounds):
+        for c in configs:  # alternate: one timed run of every configuration per round
+            t0 = time.perf_counter()
+            steps[c]()
+            times[c].append(time.perf_counter() - t0)
+
+    rows = []
+    print()
+    print(f"{'impl':8s} {'mode':5s} {'prec':4s} {'batch':>5s} {'img/s':>8s} {'MFU':>6s}")
+    for c in configs:
+        impl, mode, prec, bs = c
+        sec = statistics.median(times[c])
+        ips = bs / sec
+        flops = 2 * macs * (3 if mode == "train" else 1) * ips
+        mfu = flops / peaks[prec]
+        rows.append(dict(impl=impl, mode=mode, prec=prec, batch=bs, img_s=ips, mfu=mfu))
+        print(f"{impl:8s} {mode:5s} {prec:4s} {bs:5d} {ips:8.1f} {100 * mfu:5.1f}%")
+    if "authors" in impls:
+        print("\nspeed-up of lgvit bf16 (our default) over the authors' fp32, same batch:")
+        for bs in args.batch_sizes:
+            for mode in args.modes:
+                get = {(r["impl"], r["prec"]): r["img_s"] for r in rows
+                       if r["batch"] == bs and r["mode"] == mode}
+                print(f"  {mode:5s} batch {bs:3d}: {get['lgvit', 'bf16'] / get['authors', 'fp32']:5.1f}x"
+                      f"   (lgvit fp32 vs authors fp32: "
+                      f"{get['lgvit', 'fp32'] / get['authors', 'fp32']:4.1f}x; "
+                      f"bf16 vs bf16: {get['lgvit', 'bf16'] / get['authors', 'bf16']:4.1f}x)")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"\npeak RSS of this process: {rss:.1f} GB (all configurations together)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(macs=macs, peaks=peaks, rows=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""The LSA family: parameter counts, interface, and the blocks against direct references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lgvit
+from lgvit.measure import count_macs, count_params
+from lgvit.models.layers import resize_pos_embed
+from lgvit.models.lsa import CIFAR_SHIFTS, LocalShiftAttention, ShiftEmbedding
+
+# (name, paper params in M). The paper's parameter counts, SPEC.md section 1.
+PAPER_PARAMS = {
+    "lsa_tiny_cifar": 10.2,
+    "lsa_small_cifar": 36.2,
+    "lsa_base_cifar": 115.8,
+    "lsa_tiny_224": 9.9,
+    "lsa_small_224": 22.0,
+    "lsa_tiny_cifar_a": 6.8,
+    "lsa_tiny_cifar_b": 8.4,
+    "lsa_tiny_cifar_c": 6.8,
+    "lsa_tiny_cifar_d": 10.1,
+}
+ALL = lgvit.list_models()
+
+
+def meta_model(name: str, **kw):
+    with torch.device("meta"):
+        return lgvit.create_model(name, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_PARAMS))
+def test_param_count_matches_paper(name):
+    n = count_params(meta_model(name)) / 1e6
+    assert abs(n - PAPER_PARAMS[name]) / PAPER_PARAMS[name] < 0.01, f"{name}: {n:.3f}M"
+
+
+def test_ablation_e_measured_and_extras_sane():
+    # Paper says 7.6M for E, which its own arithmetic does not give: conv per variant (18 x
+    # 5376) + one shared position embedding (1024 x 192) on top of ablation A's body.
+    a = count_params(meta_model("lsa_tiny_cifar_a"))
+    e = count_params(meta_model("lsa_tiny_cifar_e"))
+    assert e - a == 17 * (3 * 9 * 192 + 192)
+    assert 0.3e6 <= count_params(meta_model("lsa_micro_cifar")) <= 1.6e6
+
+
+def test_tiny_cifar_is_multi_query_with_three_heads():
+    m = meta_model("lsa_tiny_cifar")
+    att = m.local_block.attn
+    assert (att.num_heads, att.kv_heads) == (3, 1)
+    assert m.stages[1].blocks[0].attn.kv_heads == 1
+    assert m.patch_embed.num_variants == 18 and m.pos_embed.shape == (18, 1024, 192)
+
+
+def test_macs_match_spec():
+    # SPEC.md: lsa_tiny_224 3.62G, lsa_small_224 7.70G measured MACs.
+    for name, want in (("lsa_tiny_224", 3.62), ("lsa_small_224", 7.70)):
+        got = count_macs(meta_model(name), (3, 224, 224)) / 1e9
+        assert abs(got - want) / want < 0.01, f"{name}: {got:.3f}G"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_forward_backward_every_model(name):
+    torch.manual_seed(0)
+    # Small inputs keep this fast; ImageNet configs run at 64px (img_size override).
+    small = {"img_size": 64} if "224" in name else {}
+    if name in ("lsa_small_cifar", "lsa_base_cifar"):
+        small["depths"] = (2, 1, 1, 1)  # same blocks, fewer of them: keeps the test fast
+    m = lgvit.create_model(name, num_classes=7, **small)
+    size = m.img_size
+    x = torch.randn(2, 3, *size)
+    y = m(x)
+    assert y.shape == (2, 7)
+    y.logsumexp(-1).sum().backward()
+    grads = [p.grad for p in m.parameters() if p.requires_grad]
+    assert all(g is not None for g in grads), "a parameter got no gradient"
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("name", ["lsa_tiny_cifar", "lsa_tiny_cifar_d", "lsa_micro_cifar"])
+def test_batch_of_one_matches_batch(name):
+    torch.manual_seed(0)
+    m = lgvit.create_model(name).eval()
+    x = torch.randn(5, 3, 32, 32)
+    with torch.no_grad():
+        full = m(x)
+        singles = torch.cat([m(x[i : i + 1]) for i in range(5)])
+    torch.testing.assert_close(singles, full, rtol=1e-4, atol=1e-5)
+
+
+def test_shift_embedding_matches_roll_and_conv_per_variant():
+    torch.manual_seed(0)
+    emb = ShiftEmbedding(CIFAR_SHIFTS, 3, 8, kernel_size=3, stride=1, padding=1)
+    x = torch.randn(2, 3, 7, 6)
+    out, grid = emb(x)
+    assert grid == (7, 6) and out.shape == (2, 42, 18, 8)
+    for t, (dy, dx) in enumerate(CIFAR_SHIFTS):
+        w, b = emb.conv_weight(t)
+        ref = F.conv2d(torch.roll(x, (dy, dx), (2, 3)), w, b, padding=1)
+        torch.testing.assert_close(out[:, :, t], ref.flatten(2).transpose(1, 2))
+
+
+def test_shift_embedding_stride_matches_reference():
+    torch.manual_seed(0)
+    shifts = ((0, 0), (1, 0), (3, 3), (0, 2))
+    emb = ShiftEmbedding(shifts, 3, 4, kernel_size=9, stride=7, padding=1)
+    x = torch.randn(1, 3, 30, 30)
+    out, grid = emb(x)
+    for t, s in enumerate(shifts):
+        w, b = emb.conv_weight(t)
+        ref = F.conv2d(torch.roll(x, s, (2, 3)), w, b, stride=7, padding=1)
+        torch.testing.assert_close(out[:, :, t], ref.flatten(2).transpose(1, 2))
+
+
+def test_reflection_shift_embedding_matches_reference():
+    torch.manual_seed(0)
+    emb = ShiftEmbedding(CIFAR_SHIFTS, 3, 5, conv_per_variant=False)
+    x = torch.randn(2, 3, 8, 8)
+    out, _ = emb(x)
+    w, b = emb.conv_weight(0)
+    for t, (dy, dx) in enumerate(CIFAR_SHIFTS):
+        # Translate by (dy, dx) with reflection padding: pad by 2 (reflect), crop the window.
+        p = F.pad(x, (2, 2, 2, 2), mode="reflect")
+        shifted = p[:, :, 2 - dy : 2 - dy + 8, 2 - dx : 2 - dx + 8]
+        ref = F.conv2d(shifted, w, b, padding=1)
+        torch.testing.assert_close(out[:, :, t], ref.flatten(2).transpose(1, 2))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 3])
+def test_local_attention_matches_per_position_softmax(kv_heads):
+    torch.manual_seed(0)
+    att = LocalShiftAttention(12, num_heads=3, kv_heads=kv_heads).eval()
+    v = torch.randn(2, 5, 4, 12)  # (B, N, T, C)
+    out = att(v)
+    hd = 4
+    q = att.q(v[:, :, 0]).view(2, 5, 3, hd)
+    kv = att.kv(v).view(2, 5, 4, 2, kv_heads, hd)
+    ref = torch.empty(2, 5, 3, hd)
+    for b in range(2):
+        for n in range(5):
+            for h in range(3):
+                g = h // (3 // kv_heads)
+                k, val = kv[b, n, :, 0, g], kv[b, n, :, 1, g]  # (T, hd)
+                w = torch.softmax(k @ q[b, n, h] / math.sqrt(hd), dim=0)  # softmax over T
+                ref[b, n, h] = w @ val
+    ref = att.proj(ref.reshape(2, 5, 12))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_global_attention_grouped_heads_match_reference():
+    from lgvit.models.layers import Attention
+
+    torch.manual_seed(0)
+    att = Attention(16, num_heads=4, kv_heads=2).eval()
+    x = torch.randn(2, 6, 16)
+    q = att.q(x).view(2, 6, 4, 4).transpose(1, 2)
+    k, v = att.kv(x).view(2, 6, 2, 2, 4).permute(2, 0, 3, 1, 4)
+    k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    ref = torch.softmax(q @ k.transpose(-1, -2) / 2.0, -1) @ v
+    ref = att.proj(ref.transpose(1, 2).reshape(2, 6, 16))
+    torch.testing.assert_close(att(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_intermediates_shapes_and_feature_info():
+    m = lgvit.create_model("lsa_tiny_cifar", depths=(1, 1, 1, 1)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    final, maps = m.forward_intermediates(x)
+    assert [tuple(f.shape) for f in maps] == [
+        (2, 192, 32, 32), (2, 192, 16, 16), (2, 192, 8, 8), (2, 192, 4, 4)
+    ]  # fmt: skip
+    assert [f["reduction"] for f in m.feature_info] == [1, 2, 4, 8]
+    assert [f["num_chs"] for f in m.feature_info] == [192] * 4
+    torch.testing.assert_close(final, m.forward_features(x))
+    last = m.forward_intermediates(x, indices=1, intermediates_only=True)
+    assert len(last) == 1 and torch.equal(last[0], maps[-1])
+    m224 = meta_model("lsa_small_224")
+    assert [f["reduction"] for f in m224.feature_info] == [4, 8, 16]
+    assert [f["num_chs"] for f in m224.feature_info] == [64, 192, 384]
+
+
+def test_head_interface():
+    m = lgvit.create_model("lsa_micro_cifar", num_classes=10).eval()
+    x = torch.randn(2, 3, 32, 32)
+    feats = m.forward_features(x)
+    assert feats.shape == (2, 16, 160)
+    assert m.forward_head(feats, pre_logits=True).shape == (2, 160)
+    torch.testing.assert_close(m.forward_head(feats), m(x))
+    m.reset_classifier(3)
+    assert m(x).shape == (2, 3)
+    m.reset_classifier(0)
+    assert m(x).shape == (2, 160)
+    nwd = m.no_weight_decay()
+    assert "pos_embed" in nwd and "stages.1.pos_embed" in nwd
+    names = dict(m.named_parameters())
+    assert all(n in names for n in nwd)
+
+
+def test_pos_embed_resize_at_construction_and_on_load():
+    torch.manual_seed(0)
+    m32 = lgvit.create_model("lsa_micro_cifar")
+    m64 = lgvit.create_model("lsa_micro_cifar", img_size=64)
+    assert m64.pos_embed.shape == (9, 32 * 32, 64)
+    missing = m64.load_state_dict(m32.state_dict())  # different grid: resized on load
+    assert not missing.missing_keys and not missing.unexpected_keys
+    want = resize_pos_embed(m32.pos_embed.detach(), (16, 16), (32, 32))
+    torch.testing.assert_close(m64.pos_embed.detach(), want)
+    assert m64(torch.randn(1, 3, 64, 64)).shape == (1, 10)
+    # Resizing to the same grid is the identity; bicubic there and back stays close.
+    same = resize_pos_embed(m32.pos_embed.detach(), (16, 16), (16, 16))
+    assert torch.equal(same, m32.pos_embed.detach())
+
+
+def test_wrong_input_size_is_a_clear_error_unless_dynamic():
+    m = lgvit.create_model("lsa_micro_cifar")
+    with pytest.raises(ValueError, match="built for 32x32"):
+        m(torch.randn(1, 3, 48, 48))
+    d = lgvit.create_model("lsa_micro_cifar", dynamic_img_size=True).eval()
+    assert d(torch.randn(1, 3, 48, 48)).shape == (1, 10)
+    with pytest.raises(ValueError, match=r"expected input \(B, 3, H, W\)"):
+        m(torch.randn(1, 1, 32, 32))
+
+
+def test_deterministic_under_fixed_seed():
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        m = lgvit.create_model("lsa_micro_cifar").train()
+        x = torch.randn(4, 3, 32, 32)
+        outs.append(m(x))  # train mode: drop path randomness is seeded too
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    torch.manual_seed(124)
+    other = lgvit.create_model("lsa_micro_cifar")
+    assert not torch.equal(other.pos_embed, m.pos_embed)
+
+
+def test_registry_errors_and_listing():
+    assert "lsa_tiny_cifar" in lgvit.list_models("lsa_*")
+    assert lgvit.list_models("lsa_tiny_cifar_?") == [f"lsa_tiny_cifar_{c}" for c in "abcde"]
+    with pytest.raises(ValueError, match="unknown model"):
+        lgvit.create_model("lsa_nope")
+    cfg = lgvit.get_model_config("lsa_tiny_224")
+    assert cfg.input_size == (3, 224, 224) and cfg.paper["params_m"] == 9.9
+
+
+def test_bf16_autocast_close_to_fp32():
+    torch.manual_seed(0)
+    m = lgvit.create_model("lsa_micro_cifar").eval()
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        ref = m(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = m(x).float()
+    assert (low - ref).abs().max() < 0.05 * ref.abs().max() + 0.05
