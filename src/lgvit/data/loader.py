@@ -1,0 +1,340 @@
+"""In-memory batch loader that runs the DeiT augmentation recipe on whole batches.
+
+Images live as one uint8 ``(N, 3, H, W)`` tensor; each batch is gathered by index and
+augmented with the batched ops in :mod:`lgvit.data.transforms` (no per-sample Python work,
+no worker processes). Sharding follows ``DistributedSampler`` / DeiT's ``RASampler`` so
+multi-process runs see the same data as a torch ``DataLoader`` setup would.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lgvit.data.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    mean_to_fill,
+    mixup_cutmix,
+    normalize,
+    one_hot_smooth,
+    rand_augment,
+    random_crop_flip,
+    random_erasing,
+    random_resized_crop,
+    resize_center_crop,
+)
+from lgvit.errors import LgvitError
+
+__all__ = ["AugmentConfig", "BatchLoader", "parse_rand_augment"]
+
+_TRAIN_CROPS = ("random_crop", "random_resized_crop", "none")
+
+
+@dataclass
+class AugmentConfig:
+    """Training/eval augmentation settings (defaults: DeiT recipe at CIFAR resolution).
+
+    Beyond the DeiT flags: ``rrc_scale``/``rrc_ratio`` configure 'random_resized_crop',
+    ``mixup_mode`` is timm's Mixup mode ('batch' or 'elem') and ``recount`` the maximum
+    number of random-erasing boxes.
+    """
+
+    img_size: int = 32
+    # 'random_crop' (pad + crop + flip, CIFAR), 'random_resized_crop' (ImageNet) or 'none'.
+    train_crop: str = "random_crop"
+    crop_padding: int = 4
+    hflip: bool = True
+    # timm-style RandAugment spec parsed by parse_rand_augment(); None or '' disables it.
+    rand_augment: str | None = "rand-m9-mstd0.5-inc1"
+    mixup: float = 0.8
+    cutmix: float = 1.0
+    mixup_switch_prob: float = 0.5
+    mixup_prob: float = 1.0
+    label_smoothing: float = 0.1
+    reprob: float = 0.25
+    remode: str = "pixel"
+    crop_pct: float = 0.875
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    rrc_scale: tuple[float, float] = (0.08, 1.0)
+    rrc_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    mixup_mode: str = "batch"
+    recount: int = 1
+
+    def __post_init__(self) -> None:
+        if self.train_crop not in _TRAIN_CROPS:
+            raise LgvitError(f"train_crop must be one of {_TRAIN_CROPS}, got {self.train_crop!r}")
+        if self.remode not in ("pixel", "rand", "const"):
+            raise LgvitError(f"remode must be 'pixel', 'rand' or 'const', got {self.remode!r}")
+        if self.mixup_mode not in ("batch", "elem"):
+            raise LgvitError(f"mixup_mode must be 'batch' or 'elem', got {self.mixup_mode!r}")
+        if self.img_size <= 0:
+            raise LgvitError(f"img_size must be positive, got {self.img_size}")
+        if len(self.mean) != 3 or len(self.std) != 3:
+            raise LgvitError("mean and std need 3 values each (one per RGB channel)")
+        if self.rand_augment:
+            parse_rand_augment(self.rand_augment)  # fail at config time, not mid-epoch
+
+    @property
+    def mix_active(self) -> bool:
+        """Whether mixup/cutmix can change a batch."""
+        return (self.mixup > 0 or self.cutmix > 0) and self.mixup_prob > 0
+
+
+def parse_rand_augment(spec: str) -> dict:
+    """Parse a timm RandAugment string such as ``'rand-m9-mstd0.5-inc1'``.
+
+    Returns ``{'magnitude', 'magnitude_std', 'increasing', 'num_ops'}`` (keyword arguments
+    of :func:`lgvit.data.transforms.rand_augment`), plus ``'prob'`` / ``'magnitude_max'``
+    when the string has ``-p`` / ``-mmax``. Defaults are timm's: m10, n2, mstd0, inc0.
+    Unlike timm, ``inc0`` means off (timm's ``bool('0')`` turns it on).
+    """
+    bad = LgvitError(
+        f"bad RandAugment spec {spec!r}: expected e.g. 'rand-m9-mstd0.5-inc1' "
+        "(sections m<int>, n<int>, mstd<float>, mmax<float>, inc<0|1>, p<float>)"
+    )
+    parts = spec.strip().split("-") if isinstance(spec, str) else []
+    if not parts or parts[0] != "rand":
+        raise bad
+    out: dict = {"magnitude": 10.0, "magnitude_std": 0.0, "increasing": False, "num_ops": 2}
+    for part in parts[1:]:
+        m = re.fullmatch(r"([a-z]+)(\d+(?:\.\d*)?)", part)
+        if m is None:
+            raise bad
+        key, val = m.group(1), m.group(2)
+        if key == "m":
+            out["magnitude"] = float(val)
+        elif key == "n":
+            if not val.isdigit():
+                raise bad
+            out["num_ops"] = int(val)
+        elif key == "mstd":
+            # timm: mstd > 100 means "uniform in [0, m]".
+            out["magnitude_std"] = float("inf") if float(val) > 100 else float(val)
+        elif key == "mmax":
+            out["magnitude_max"] = float(val)
+        elif key == "inc":
+            out["increasing"] = bool(int(float(val)))
+        elif key == "p":
+            out["prob"] = float(val)
+        else:
+            raise bad
+    return out
+
+
+def _seed(*parts: int) -> int:
+    """A well-mixed 63-bit seed from small integers (seed, epoch, rank, stream)."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0] >> 1)
+
+
+class BatchLoader:
+    """Iterates ``(inputs float (B, 3, S, S), targets)`` over uint8 images in memory,
+    augmenting whole batches.
+
+    Train: the epoch permutation comes from ``(seed, epoch)`` (identical on every rank);
+    each index is repeated ``repeated_aug`` times (DeiT RASampler), the list is padded to a
+    multiple of ``world_size`` by repeating its start and rank ``r`` takes ``r::world_size``
+    (``DistributedSampler``). With ``repeated_aug > 1`` each rank keeps only its first
+    ``N // world_size`` samples so an epoch still covers about N images (RASampler also
+    rounds N down to a multiple of 256; we don't). Augmentation randomness comes from
+    ``(seed, epoch, rank)``, so a run is reproducible and resumable at any epoch boundary.
+    Ops: crop + flip (uint8) -> RandAugment (uint8) -> move to ``device`` -> normalize ->
+    random erasing -> mixup/cutmix. Targets are soft ``(B, num_classes)`` when mixup/cutmix
+    or label smoothing is on, else int64 labels.
+
+    Mixup needs an even batch: ``batch_size`` must be even, and an odd final partial batch
+    (only with ``drop_last=False``) loses its last sample (a lone sample is not yielded).
+
+    Eval: dataset order, no augmentation except :func:`resize_center_crop` when the images
+    are not ``img_size`` square, int64 labels. With several ranks, eval is *not* padded: rank
+    ``r`` gets the disjoint strided shard ``r::world_size``, so the shards cover the dataset
+    exactly once and summed per-rank metrics are exact. Shard sizes (hence batch counts) may
+    differ by one between ranks, so do cross-rank reductions after the loop, not per batch;
+    :attr:`num_samples` gives this rank's count.
+    """
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        batch_size: int,
+        *,
+        num_classes: int,
+        train: bool,
+        aug: AugmentConfig | None = None,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool | None = None,
+        device: torch.device | str = "cpu",
+        repeated_aug: int = 1,
+    ) -> None:
+        if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[1] != 3:
+            shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images)
+            raise LgvitError(f"images must be a (N, 3, H, W) tensor, got {shape}")
+        if images.dtype != torch.uint8:
+            raise LgvitError(f"images must be uint8, got {images.dtype}")
+        labels = torch.as_tensor(labels)
+        if labels.shape != (images.shape[0],):
+            raise LgvitError(
+                f"labels must have shape ({images.shape[0]},), got {tuple(labels.shape)}"
+            )
+        if labels.is_floating_point() or labels.is_complex():
+            raise LgvitError(f"labels must be integers, got {labels.dtype}")
+        labels = labels.long().to(images.device)
+        if num_classes <= 0:
+            raise LgvitError(f"num_classes must be positive, got {num_classes}")
+        if labels.numel() and (labels.min() < 0 or labels.max() >= num_classes):
+            raise LgvitError(
+                f"labels must lie in [0, {num_classes}), got range "
+                f"[{int(labels.min())}, {int(labels.max())}]"
+            )
+        if batch_size <= 0:
+            raise LgvitError(f"batch_size must be positive, got {batch_size}")
+        if world_size <= 0 or not 0 <= rank < world_size:
+            raise LgvitError(f"need 0 <= rank < world_size, got rank={rank}, world={world_size}")
+        if seed < 0:
+            raise LgvitError(f"seed must be non-negative, got {seed}")
+        if repeated_aug < 1:
+            raise LgvitError(f"repeated_aug must be >= 1, got {repeated_aug}")
+        self.aug = aug if aug is not None else AugmentConfig()
+        self.images = images
+        self.labels = labels
+        self.batch_size = batch_size
+        self.num_classes = num_classes
+        self.train = train
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = train if drop_last is None else drop_last
+        self.device = torch.device(device)
+        self.repeated_aug = repeated_aug if train else 1
+        self.epoch = 0
+        self._ra = parse_rand_augment(self.aug.rand_augment) if self.aug.rand_augment else None
+        self._mix = train and self.aug.mix_active
+        self._soft = train and (self._mix or self.aug.label_smoothing > 0)
+        if self._mix and batch_size % 2:
+            raise LgvitError(f"mixup/cutmix needs an even batch_size, got {batch_size}")
+
+    # ------------------------------------------------------------------ sharding
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose permutation and augmentation stream to use."""
+        if epoch < 0:
+            raise LgvitError(f"epoch must be non-negative, got {epoch}")
+        self.epoch = epoch
+
+    @property
+    def dataset_size(self) -> int:
+        """Number of images in the whole dataset (all ranks)."""
+        return self.images.shape[0]
+
+    def indices(self) -> torch.Tensor:
+        """Dataset indices this rank visits in the current epoch, in order (before batching)."""
+        n = self.dataset_size
+        if not self.train:
+            return torch.arange(self.rank, n, self.world_size)
+        g = torch.Generator().manual_seed(_seed(self.seed, self.epoch))
+        order = torch.randperm(n, generator=g)
+        if self.repeated_aug > 1:
+            order = order.repeat_interleave(self.repeated_aug)
+        total = math.ceil(order.numel() / self.world_size) * self.world_size
+        if total > order.numel() and order.numel():
+            reps = math.ceil(total / order.numel())
+            order = order.repeat(reps)[:total]  # DistributedSampler's padding
+        shard = order[self.rank : total : self.world_size]
+        if self.repeated_aug > 1:
+            shard = shard[: n // self.world_size]
+        return shard
+
+    @property
+    def num_samples(self) -> int:
+        """Samples this rank visits per epoch before batching (eval: its true share)."""
+        n = self.dataset_size
+        if not self.train:
+            return len(range(self.rank, n, self.world_size))
+        per_rank = math.ceil(n * self.repeated_aug / self.world_size)
+        return min(per_rank, n // self.world_size) if self.repeated_aug > 1 else per_rank
+
+    def _batch_bounds(self, n: int) -> list[tuple[int, int]]:
+        b = self.batch_size
+        stop = (n // b) * b if self.drop_last else n
+        bounds = [(s, min(s + b, stop)) for s in range(0, stop, b)]
+        if self._mix and bounds and (bounds[-1][1] - bounds[-1][0]) % 2:
+            s, e = bounds.pop()
+            if e - s > 1:
+                bounds.append((s, e - 1))
+        return bounds
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank."""
+        return len(self._batch_bounds(self.num_samples))
+
+    # ------------------------------------------------------------------ iteration
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device == self.device:
+            return t
+        if self.device.type == "cuda" and t.device.type == "cpu":
+            # Pinned memory lets the copy overlap with the GPU work already queued.
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _fit_size(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.aug.img_size
+        if tuple(x.shape[-2:]) == (s, s):
+            return x
+        pct = self.aug.crop_pct if not self.train else 1.0
+        return resize_center_crop(x, s, crop_pct=pct)
+
+    def _train_batch(
+        self, x: torch.Tensor, y: torch.Tensor, gen: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.aug
+        if a.train_crop == "random_resized_crop":
+            x = random_resized_crop(x, a.img_size, a.rrc_scale, a.rrc_ratio, gen=gen, flip=a.hflip)
+        else:
+            x = self._fit_size(x)
+            pad = a.crop_padding if a.train_crop == "random_crop" else 0
+            if pad > 0 or a.hflip:
+                x = random_crop_flip(x, a.img_size, pad, a.hflip, gen=gen)
+        if self._ra is not None:
+            x = rand_augment(x, gen, fill=mean_to_fill(a.mean), **self._ra)
+        x, y = self._to_device(x), self._to_device(y)
+        x = normalize(x, a.mean, a.std)
+        if a.reprob > 0:
+            x = random_erasing(x, gen, prob=a.reprob, mode=a.remode, max_count=a.recount)
+        if self._mix:
+            return mixup_cutmix(
+                x,
+                y,
+                self.num_classes,
+                gen,
+                mixup_alpha=a.mixup,
+                cutmix_alpha=a.cutmix,
+                switch_prob=a.mixup_switch_prob,
+                prob=a.mixup_prob,
+                label_smoothing=a.label_smoothing,
+                mode=a.mixup_mode,
+            )
+        if self._soft:
+            return x, one_hot_smooth(y, self.num_classes, a.label_smoothing)
+        return x, y
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        idx_all = self.indices()
+        gen = torch.Generator().manual_seed(_seed(self.seed, self.epoch, self.rank, 1))
+        for s, e in self._batch_bounds(idx_all.numel()):
+            idx = idx_all[s:e].to(self.images.device)
+            x, y = self.images[idx], self.labels[idx]
+            if self.train:
+                yield self._train_batch(x, y, gen)
+            else:
+                x = self._to_device(self._fit_size(x))
+                yield normalize(x, self.aug.mean, self.aug.std), self._to_device(y)
