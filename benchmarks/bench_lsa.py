@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing as mp
 import resource
 import statistics
 import sys
@@ -30,9 +31,10 @@ import torch.nn.functional as F
 
 import lgvit
 from lgvit.measure import count_macs, count_params, matmul_peak_flops
+from lgvit.runtime import tune_cpu_allocator
 
 
-def build_authors_model(repo: str) -> nn.Module:
+def build_authors_model(repo: str) -> nn.Module:  # runs in the authors' worker process
     """Their tiny CIFAR model, configured as in their main_tiny_cifar.py."""
     sys.path.insert(0, repo)
     try:
@@ -64,9 +66,7 @@ def make_step(
 ) -> Callable[[], None]:
     x = torch.randn(batch, 3, 32, 32)
     y = torch.randint(0, 10, (batch,))
-    amp = (
-        torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    )
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     if not train:
         model.eval()
 
@@ -88,6 +88,72 @@ def make_step(
     return step
 
 
+class LocalRunner:
+    """Times step functions in this process."""
+
+    def __init__(self) -> None:
+        self.steps: dict[tuple, Callable[[], None]] = {}
+
+    def prepare(self, key: tuple, model: nn.Module, batch: int, train: bool, bf16: bool) -> None:
+        self.steps[key] = make_step(model, batch, train, bf16, fused_adamw=True)
+        self.steps[key]()  # warm-up (allocations, oneDNN kernel selection)
+
+    def time(self, key: tuple) -> float:
+        t0 = time.perf_counter()
+        self.steps[key]()
+        return time.perf_counter() - t0
+
+
+def _authors_worker(conn, repo: str, threads: int, tuned_malloc: bool) -> None:
+    """A separate process for the authors' model, so it runs with its own runtime defaults."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    if tuned_malloc:
+        tune_cpu_allocator()
+    model = build_authors_model(repo)
+    conn.send(count_params(model))
+    steps: dict[tuple, Callable[[], None]] = {}
+    while True:
+        msg = conn.recv()
+        if msg[0] == "prepare":
+            _, key, batch, train, bf16 = msg
+            steps[key] = make_step(model, batch, train, bf16, fused_adamw=False)
+            steps[key]()
+            conn.send(None)
+        elif msg[0] == "time":
+            t0 = time.perf_counter()
+            steps[msg[1]]()
+            conn.send(time.perf_counter() - t0)
+        else:
+            conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+            return
+
+
+class AuthorsRunner:
+    def __init__(self, repo: str, threads: int, tuned_malloc: bool) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_authors_worker, args=(child, repo, threads, tuned_malloc), daemon=True
+        )
+        self.proc.start()
+        self.params = self.conn.recv()
+
+    def prepare(self, key: tuple, batch: int, train: bool, bf16: bool) -> None:
+        self.conn.send(("prepare", key, batch, train, bf16))
+        self.conn.recv()
+
+    def time(self, key: tuple) -> float:
+        self.conn.send(("time", key))
+        return self.conn.recv()
+
+    def close(self) -> float:
+        self.conn.send(("stop",))
+        rss = self.conn.recv()
+        self.proc.join()
+        return rss
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="lsa_tiny_cifar")
@@ -97,45 +163,68 @@ def main() -> None:
     ap.add_argument("--authors-repo", default=None)
     ap.add_argument("--modes", nargs="+", default=["infer", "train"])
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="do not apply lgvit.runtime.tune_cpu_allocator() to our process",
+    )
+    ap.add_argument(
+        "--authors-tuned-malloc",
+        action="store_true",
+        help="apply the same allocator tuning to the authors' process",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
+    if not args.default_malloc:
+        tune_cpu_allocator()  # lgvit's default runtime (lgvit.runtime), as `lgvit train` does
     ours = lgvit.create_model(args.model)
     macs = count_macs(ours, (3, 32, 32))
-    impls: dict[str, nn.Module] = {"lgvit": ours}
+    authors = None
     if args.authors_repo:
-        impls["authors"] = build_authors_model(args.authors_repo)
-    print(f"threads {args.threads}, torch {torch.__version__}, model {args.model}: "
-          f"{count_params(ours) / 1e6:.2f}M params, {macs / 1e9:.2f} GMACs/img (ours)")
-    for name, m in impls.items():
-        if name != "lgvit":
-            print(f"{name}: {count_params(m) / 1e6:.2f}M params")
+        authors = AuthorsRunner(args.authors_repo, args.threads, args.authors_tuned_malloc)
+    print(
+        f"threads {args.threads}, torch {torch.__version__}, model {args.model}: "
+        f"{count_params(ours) / 1e6:.2f}M params, {macs / 1e9:.2f} GMACs/img (ours); "
+        f"allocator: lgvit {'default' if args.default_malloc else 'tuned'}"
+        + (
+            f", authors {'tuned' if args.authors_tuned_malloc else 'default'} "
+            f"({authors.params / 1e6:.2f}M params, separate process)"
+            if authors
+            else ""
+        )
+    )
 
     peaks = {
         "bf16": matmul_peak_flops(torch.bfloat16),
         "fp32": matmul_peak_flops(torch.float32),
     }
-    print(f"matmul peak: bf16 {peaks['bf16'] / 1e12:.2f} TFLOP/s, "
-          f"fp32 {peaks['fp32'] / 1e12:.2f} TFLOP/s (2048^3 mm, this run)")
+    print(
+        f"matmul peak: bf16 {peaks['bf16'] / 1e12:.2f} TFLOP/s, "
+        f"fp32 {peaks['fp32'] / 1e12:.2f} TFLOP/s (2048^3 mm, this run)",
+        flush=True,
+    )
 
+    impls = ["lgvit"] + (["authors"] if authors else [])
     configs = []
     for bs in args.batch_sizes:
         for mode in args.modes:
             for impl in impls:
                 for prec in ("fp32", "bf16"):
                     configs.append((impl, mode, prec, bs))
-    steps = {}
+    local = LocalRunner()
     for c in configs:
         impl, mode, prec, bs = c
-        steps[c] = make_step(impls[impl], bs, mode == "train", prec == "bf16", impl == "lgvit")
-        steps[c]()  # warm-up (allocations, oneDNN kernel selection)
+        if impl == "lgvit":
+            local.prepare(c, ours, bs, mode == "train", prec == "bf16")
+        else:
+            authors.prepare(c, bs, mode == "train", prec == "bf16")
     times: dict[tuple, list[float]] = {c: [] for c in configs}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for c in configs:  # alternate: one timed run of every configuration per round
-            t0 = time.perf_counter()
-            steps[c]()
-            times[c].append(time.perf_counter() - t0)
+            times[c].append((local if c[0] == "lgvit" else authors).time(c))
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
 
     rows = []
     print()
@@ -148,18 +237,27 @@ def main() -> None:
         mfu = flops / peaks[prec]
         rows.append(dict(impl=impl, mode=mode, prec=prec, batch=bs, img_s=ips, mfu=mfu))
         print(f"{impl:8s} {mode:5s} {prec:4s} {bs:5d} {ips:8.1f} {100 * mfu:5.1f}%")
-    if "authors" in impls:
+    if authors:
         print("\nspeed-up of lgvit bf16 (our default) over the authors' fp32, same batch:")
         for bs in args.batch_sizes:
             for mode in args.modes:
-                get = {(r["impl"], r["prec"]): r["img_s"] for r in rows
-                       if r["batch"] == bs and r["mode"] == mode}
-                print(f"  {mode:5s} batch {bs:3d}: {get['lgvit', 'bf16'] / get['authors', 'fp32']:5.1f}x"
-                      f"   (lgvit fp32 vs authors fp32: "
-                      f"{get['lgvit', 'fp32'] / get['authors', 'fp32']:4.1f}x; "
-                      f"bf16 vs bf16: {get['lgvit', 'bf16'] / get['authors', 'bf16']:4.1f}x)")
+                get = {
+                    (r["impl"], r["prec"]): r["img_s"]
+                    for r in rows
+                    if r["batch"] == bs and r["mode"] == mode
+                }
+                ratio = {p: get["lgvit", p] / get["authors", p] for p in ("fp32", "bf16")}
+                main_ratio = get["lgvit", "bf16"] / get["authors", "fp32"]
+                print(
+                    f"  {mode:5s} batch {bs:3d}: {main_ratio:5.1f}x   (fp32 vs fp32: "
+                    f"{ratio['fp32']:4.1f}x; bf16 vs bf16: {ratio['bf16']:4.1f}x)"
+                )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"\npeak RSS of this process: {rss:.1f} GB (all configurations together)")
+    print(
+        f"\npeak RSS: lgvit process {rss:.1f} GB"
+        + (f", authors' process {authors.close():.1f} GB" if authors else "")
+        + " (all configurations of each together)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(macs=macs, peaks=peaks, rows=rows), f, indent=2)

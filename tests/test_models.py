@@ -96,12 +96,13 @@ def test_shift_embedding_matches_roll_and_conv_per_variant():
     torch.manual_seed(0)
     emb = ShiftEmbedding(CIFAR_SHIFTS, 3, 8, kernel_size=3, stride=1, padding=1)
     x = torch.randn(2, 3, 7, 6)
-    out, grid = emb(x)
-    assert grid == (7, 6) and out.shape == (2, 42, 18, 8)
+    x0, out, grid = emb(x)
+    assert grid == (7, 6) and out.shape == (18, 2, 42, 8)
     for t, (dy, dx) in enumerate(CIFAR_SHIFTS):
         w, b = emb.conv_weight(t)
         ref = F.conv2d(torch.roll(x, (dy, dx), (2, 3)), w, b, padding=1)
-        torch.testing.assert_close(out[:, :, t], ref.flatten(2).transpose(1, 2))
+        torch.testing.assert_close(out[t], ref.flatten(2).transpose(1, 2))
+    torch.testing.assert_close(x0, out[0])
 
 
 def test_shift_embedding_stride_matches_reference():
@@ -109,36 +110,36 @@ def test_shift_embedding_stride_matches_reference():
     shifts = ((0, 0), (1, 0), (3, 3), (0, 2))
     emb = ShiftEmbedding(shifts, 3, 4, kernel_size=9, stride=7, padding=1)
     x = torch.randn(1, 3, 30, 30)
-    out, grid = emb(x)
+    x0, out, grid = emb(x)
     for t, s in enumerate(shifts):
         w, b = emb.conv_weight(t)
         ref = F.conv2d(torch.roll(x, s, (2, 3)), w, b, stride=7, padding=1)
-        torch.testing.assert_close(out[:, :, t], ref.flatten(2).transpose(1, 2))
+        torch.testing.assert_close(out[t], ref.flatten(2).transpose(1, 2))
 
 
 def test_reflection_shift_embedding_matches_reference():
     torch.manual_seed(0)
     emb = ShiftEmbedding(CIFAR_SHIFTS, 3, 5, conv_per_variant=False)
     x = torch.randn(2, 3, 8, 8)
-    out, _ = emb(x)
+    x0, out, _ = emb(x)
     w, b = emb.conv_weight(0)
     for t, (dy, dx) in enumerate(CIFAR_SHIFTS):
         # Translate by (dy, dx) with reflection padding: pad by 2 (reflect), crop the window.
         p = F.pad(x, (2, 2, 2, 2), mode="reflect")
         shifted = p[:, :, 2 - dy : 2 - dy + 8, 2 - dx : 2 - dx + 8]
         ref = F.conv2d(shifted, w, b, padding=1)
-        torch.testing.assert_close(out[:, :, t], ref.flatten(2).transpose(1, 2))
+        torch.testing.assert_close(out[t], ref.flatten(2).transpose(1, 2))
 
 
 @pytest.mark.parametrize("kv_heads", [1, 3])
 def test_local_attention_matches_per_position_softmax(kv_heads):
     torch.manual_seed(0)
     att = LocalShiftAttention(12, num_heads=3, kv_heads=kv_heads).eval()
-    v = torch.randn(2, 5, 4, 12)  # (B, N, T, C)
-    out = att(v)
+    v = torch.randn(4, 2, 5, 12)  # (T, B, N, C)
+    out = att(v[0], v)
     hd = 4
-    q = att.q(v[:, :, 0]).view(2, 5, 3, hd)
-    kv = att.kv(v).view(2, 5, 4, 2, kv_heads, hd)
+    q = att.q(v[0]).view(2, 5, 3, hd)
+    kv = att.kv(v.permute(1, 2, 0, 3)).view(2, 5, 4, 2, kv_heads, hd)
     ref = torch.empty(2, 5, 3, hd)
     for b in range(2):
         for n in range(5):

