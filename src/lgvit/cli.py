@@ -57,6 +57,130 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from lgvit.config import load_config
+    from lgvit.train import train
+
+    cli = {
+        "model": args.model, "data": args.data, "data_dir": args.data_dir,
+        "img_size": args.img_size, "epochs": args.epochs, "batch_size": args.batch_size,
+        "out": args.out, "resume": args.resume, "amp": args.amp,
+        "compile": True if args.compile else None, "seed": args.seed,
+    }  # fmt: skip
+    cfg = load_config(args.config, args.set or [], **cli)
+    metrics = train(cfg)
+    if metrics and int(__import__("os").environ.get("RANK", "0")) == 0:
+        print(f"final test top-1: {metrics['test_acc1']:.2f}%")
+    return 0
+
+
+def _load_for_eval(checkpoint: str, model_name: str | None, img_size: int | None):
+    """Weights + metadata -> (model, metadata); clear errors for the common mismatches."""
+    from lgvit.checkpoint import load_metadata, load_weights
+    from lgvit.models import create_model, get_model_config, is_model
+
+    weights = load_weights(checkpoint)
+    try:
+        meta = load_metadata(checkpoint)
+    except LgvitError:
+        meta = {}  # a plain .pt state dict carries no metadata
+    name = model_name or meta.get("model")
+    if not name:
+        raise LgvitError(f"{checkpoint}: no model name stored in it; pass --model NAME")
+    if not is_model(name):
+        raise LgvitError(f"unknown model {name!r}; `lgvit info` lists the registered ones")
+    if "head.weight" not in weights:
+        raise LgvitError(f"{checkpoint}: no 'head.weight' in it: not an lgvit classifier")
+    ckpt_classes = weights["head.weight"].shape[0]
+    size = img_size or int(meta.get("img_size", get_model_config(name).input_size[-1]))
+    try:
+        model = create_model(name, num_classes=ckpt_classes, img_size=size)
+    except ValueError as e:
+        raise LgvitError(f"model {name} at image size {size}: {e}") from None
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        detail = next((ln.strip() for ln in first[1:] if ln.strip()), first[0])
+        raise LgvitError(f"{checkpoint} does not fit model {name}: {detail}") from None
+    return model.eval(), meta
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from lgvit.data.datasets import load_dataset
+    from lgvit.data.loader import AugmentConfig, BatchLoader
+    from lgvit.train import Dist, evaluate, resolve_amp
+
+    model, meta = _load_for_eval(args.checkpoint, args.model, args.img_size)
+    size = model.img_size[0]
+    splits = load_dataset(args.data, args.data_dir, img_size=size, cache_dir=args.cache_dir)
+    n_data, n_head = len(splits.test.classes), model.num_classes
+    if n_data != n_head:
+        raise LgvitError(
+            f"{args.checkpoint} has a {n_head}-class head but {args.data} has {n_data} classes; "
+            "fine-tune it with `lgvit train` or evaluate on a dataset with the same classes"
+        )
+    aug = AugmentConfig(img_size=size, mean=tuple(splits.mean), std=tuple(splits.std))
+    loader = BatchLoader(
+        splits.test.images, splits.test.labels, args.batch_size, num_classes=n_data,
+        train=False, aug=aug,
+    )  # fmt: skip
+    d = Dist()
+    res = evaluate(model, loader, n_data, d, resolve_amp(args.amp, torch.device("cpu")))
+    res["classes"] = list(splits.test.classes)
+    res["checkpoint"] = str(args.checkpoint)
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(f"{args.checkpoint} on {args.data} ({res['count']} test images)")
+    for cls, acc in zip(res["classes"], res["per_class_acc"], strict=True):
+        print(f"  {cls:20s} {acc:6.2f}%")
+    print(f"top-1 {res['acc1']:.2f}%  top-5 {res['acc5']:.2f}%  loss {res['loss']:.4f}")
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    import torch
+
+    from lgvit.data.datasets import read_image_rgb
+    from lgvit.data.transforms import normalize, resize_center_crop
+
+    model, meta = _load_for_eval(args.checkpoint, args.model, args.img_size)
+    size = model.img_size[0]
+    classes = json.loads(meta["classes"]) if "classes" in meta else None
+    mean = tuple(json.loads(meta["mean"])) if "mean" in meta else model.default_cfg.mean
+    std = tuple(json.loads(meta["std"])) if "std" in meta else model.default_cfg.std
+    results = []
+    for path in args.images:
+        img = read_image_rgb(path)  # uint8 (3, H, W); LgvitError on unreadable files
+        x = resize_center_crop(img[None], size, crop_pct=model.default_cfg.crop_pct)
+        with torch.no_grad():
+            probs = model(normalize(x, mean, std)).softmax(-1)[0]
+        top = probs.topk(min(args.topk, len(probs)))
+        labels = [classes[i] if classes else str(i) for i in top.indices.tolist()]
+        results.append(
+            {"image": path, "top": [[lbl, round(p, 4)] for lbl, p in
+                                    zip(labels, top.values.tolist(), strict=True)]}
+        )  # fmt: skip
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    for r in results:
+        tops = ", ".join(f"{lbl} {100 * p:.1f}%" for lbl, p in r["top"])
+        print(f"{r['image']}: {tops}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from lgvit.plot import plot_run
+
+    for p in plot_run(args.run_dir):
+        print(p)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lgvit", description="Locality-enhanced vision transformers."
@@ -66,6 +190,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", help="model names or wildcards (default: all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_info)
+
+    datasets = ["cifar10", "cifar100", "imagefolder", "digits", "synthetic"]
+    p = sub.add_parser("train", help="train a model with the papers' DeiT recipe")
+    p.add_argument("--model", help="registered model name (default: lsa_micro_cifar)")
+    p.add_argument("--data", choices=datasets)
+    p.add_argument("--data-dir", help="dataset archive or folder (no download needed)")
+    p.add_argument("--img-size", type=int)
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--batch-size", type=int, help="per process")
+    p.add_argument("--out", help="run directory (config, metrics.jsonl, checkpoints, log)")
+    p.add_argument("--config", help="YAML file of config keys (see configs/)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--resume", help="'auto' (the last checkpoint in --out) or a checkpoint")
+    p.add_argument("--amp", choices=["auto", "bf16", "fp16", "none"])
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--seed", type=int)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="top-1/top-5/loss/per-class accuracy of a checkpoint")
+    p.add_argument("--model", help="default: the name stored in the checkpoint")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--data", required=True, choices=datasets)
+    p.add_argument("--data-dir")
+    p.add_argument("--cache-dir")
+    p.add_argument("--img-size", type=int, help="default: the size it was trained at")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--amp", choices=["auto", "bf16", "none"], default="auto")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("predict", help="top-5 labels of images")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--model", help="default: the name stored in the checkpoint")
+    p.add_argument("--img-size", type=int)
+    p.add_argument("--topk", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("images", nargs="+")
+    p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("plot", help="write PNG training curves into a run directory")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_plot)
     return parser
 
 

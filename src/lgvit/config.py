@@ -72,6 +72,7 @@ class TrainConfig:
     opt_eps: float = 1e-8
     # augmentation (DeiT)
     train_crop: str = "random_crop"  # random_crop | random_resized_crop | none
+    crop_padding: int = 4  # random_crop's zero padding (CIFAR recipe: 4)
     hflip: bool = True
     rand_augment: str | None = "rand-m9-mstd0.5-inc1"
     mixup: float = 0.8

@@ -611,6 +611,16 @@ def _decode_image(
         return _BAD, None
 
 
+def read_image_rgb(path: str | os.PathLike) -> torch.Tensor:
+    """One image file as uint8 ``(3, H, W)`` RGB (any mode PIL reads); LgvitError if unreadable."""
+    if not Path(path).is_file():
+        raise LgvitError(f"{path}: no such image file")
+    status, arr = _decode_image(str(path), None, None)
+    if status != _OK or arr is None:
+        raise LgvitError(f"{path}: not a readable image (empty, truncated or not an image)")
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+
+
 def _decode_chunk(
     job: tuple[int, list[str], tuple[int, int] | None, int | None, tuple[int, int]],
 ) -> tuple[int, np.ndarray, np.ndarray]:

@@ -1,0 +1,224 @@
+"""Training, evaluation and the command line, end to end on tiny runs (CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from lgvit.config import TrainConfig
+from lgvit.train import lr_at, param_groups
+
+# A tiny, fast run: the micro model at 16px on 512 synthetic images.
+FAST = [
+    "--model", "lsa_micro_cifar", "--img-size", "16", "--batch-size", "32",
+    "--set", "log_every=1000", "--set", "warmup_epochs=1",
+]  # fmt: skip
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def lgvit(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lgvit", *args],
+        capture_output=True, text=True, env=env or ENV, timeout=timeout,
+    )  # fmt: skip
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def one_line_error(p: subprocess.CompletedProcess, *needles: str) -> None:
+    assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    for n in needles:
+        assert n in err[0], err[0]
+
+
+# ------------------------------------------------------------------------------- recipe pieces
+
+
+def test_schedule_warmup_end_and_last_step():
+    cfg = TrainConfig(warmup_lr=1e-6, min_lr=1e-5)
+    kw = dict(total_steps=1000, warmup_steps=50, cfg=cfg, base_lr=5e-4)
+    assert lr_at(0, **kw) == pytest.approx(1e-6)
+    assert lr_at(25, **kw) == pytest.approx(1e-6 + (5e-4 - 1e-6) / 2)
+    assert lr_at(50, **kw) == pytest.approx(5e-4)  # warm-up ends at the peak
+    mid = 50 + (1000 - 50) // 2
+    assert lr_at(mid, **kw) == pytest.approx(1e-5 + (5e-4 - 1e-5) / 2, rel=1e-3)
+    assert lr_at(1000, **kw) == pytest.approx(1e-5)  # cosine ends at min_lr
+    assert lr_at(999, **kw) > 1e-5
+    lrs = [lr_at(s, **kw) for s in range(50, 1001)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))  # monotone decay
+
+
+def test_no_weight_decay_on_pos_embed_norms_biases():
+    import lgvit
+
+    m = lgvit.create_model("lsa_micro_cifar")
+    decay, no_decay = param_groups(m, 0.05)
+    names = {id(p): n for n, p in m.named_parameters()}
+    nd = {names[id(p)] for p in no_decay["params"]}
+    assert "pos_embed" in nd and "stages.1.pos_embed" in nd and "norm.weight" in nd
+    assert "head.bias" in nd and "head.weight" not in nd
+    assert all(p.ndim >= 2 for p in decay["params"])
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+
+
+# ------------------------------------------------------------------------------- runs
+
+
+def test_train_eval_predict_plot(tmp_path):
+    run = tmp_path / "run"
+    p = lgvit("train", *FAST, "--data", "synthetic", "--epochs", "2", "--out", str(run))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "global batch 32" in p.stdout
+    rows = metrics(run)
+    assert [r["epoch"] for r in rows] == [0, 1]
+    for key in ("train_loss", "test_acc1", "test_acc5", "lr", "img_per_s", "epoch_time_s"):
+        assert all(key in r and math.isfinite(r[key]) for r in rows)
+    for f in ("config.yaml", "last.safetensors", "last.state.pt", "best.safetensors", "train.log"):
+        assert (run / f).is_file(), f
+    # Training again into the same directory without --resume would lose nothing: refused.
+    again = lgvit("train", *FAST, "--data", "synthetic", "--epochs", "2", "--out", str(run))
+    one_line_error(again, "already holds a run", "--resume auto")
+
+    ev = lgvit("eval", "--checkpoint", str(run / "last"), "--data", "synthetic", "--json")
+    assert ev.returncode == 0, ev.stderr
+    res = json.loads(ev.stdout)
+    assert res["count"] == 128 and len(res["per_class_acc"]) == 10
+    assert res["acc1"] == pytest.approx(rows[-1]["test_acc1"], abs=1e-3)
+
+    # Evaluating at another input size resizes the position embeddings.
+    ev32 = lgvit("eval", "--checkpoint", str(run / "last"), "--data", "synthetic",
+                 "--img-size", "32", "--json")  # fmt: skip
+    assert ev32.returncode == 0, ev32.stderr
+    assert json.loads(ev32.stdout)["count"] == 128
+
+    img = tmp_path / "x.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 30, 3), np.uint8)).save(img)
+    pr = lgvit("predict", "--checkpoint", str(run / "last"), str(img), "--json")
+    assert pr.returncode == 0, pr.stderr
+    top = json.loads(pr.stdout)[0]["top"]
+    assert len(top) == 5 and abs(sum(p for _, p in top)) <= 1.0 + 1e-6
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"")
+    one_line_error(lgvit("predict", "--checkpoint", str(run / "last"), str(bad)), "bad.jpg")
+
+    pl = lgvit("plot", str(run))
+    assert pl.returncode == 0, pl.stderr
+    for f in ("loss.png", "accuracy.png"):
+        assert Image.open(run / f).size == (640, 360)
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
+    args = [*FAST, "--data", "synthetic", "--epochs", "3"]
+    full = tmp_path / "full"
+    assert lgvit("train", *args, "--out", str(full)).returncode == 0
+    cut = tmp_path / "cut"
+    killed = lgvit("train", *args, "--out", str(cut),
+                   env={**ENV, "LGVIT_KILL_AFTER_EPOCH": "0"})  # fmt: skip
+    assert killed.returncode == -9, killed.stderr[-2000:]  # SIGKILL after epoch 1's checkpoint
+    assert len(metrics(cut)) == 1
+    resumed = lgvit("train", *args, "--out", str(cut), "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    keys = ("epoch", "train_loss", "test_acc1", "test_acc5", "test_loss", "lr")
+    a = [{k: r[k] for k in keys} for r in metrics(full)]
+    b = [{k: r[k] for k in keys} for r in metrics(cut)]
+    assert a == b
+
+
+def test_two_process_distributed_run(tmp_path):
+    run = tmp_path / "ddp"
+    p = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", "29517", "-m", "lgvit", "train", *FAST, "--batch-size", "16",
+         "--data", "synthetic", "--epochs", "1", "--out", str(run)],
+        capture_output=True, text=True, env=ENV, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "2 process(es)" in p.stdout and "global batch 32" in p.stdout
+    assert p.stdout.count("final test top-1") == 1  # only rank 0 reports and writes
+    rows = metrics(run)
+    assert len(rows) == 1 and math.isfinite(rows[0]["train_loss"])
+
+
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    run = tmp_path / "nan"
+    p = lgvit("train", *FAST, "--data", "synthetic", "--epochs", "3", "--out", str(run),
+              "--amp", "none", "--set", "lr=1e30", "--set", "clip_grad=null",
+              "--set", "warmup_epochs=0", "--set", "warmup_lr=1e30")  # fmt: skip
+    one_line_error(p, "loss is", "last good checkpoint")
+    # Whatever epochs finished are loadable; no partial files are left behind.
+    assert not list(run.glob("*.tmp*"))
+
+
+# ------------------------------------------------------------------------------- bad input
+
+
+def _folder(root: Path, classes: dict[str, list[str]], n: int = 4) -> None:
+    rng = np.random.default_rng(0)
+    for split, names in classes.items():
+        for c in names:
+            d = root / split / c
+            d.mkdir(parents=True)
+            for i in range(n):
+                arr = rng.integers(0, 255, (12, 12, 3), np.uint8)
+                Image.fromarray(arr).save(d / f"{i}.png")
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path):
+    cache = ["--set", f"cache_dir={tmp_path / 'cache'}"]
+    base = [*FAST, "--epochs", "1", "--out", str(tmp_path / "r"), *cache]
+    missing = lgvit("train", *base, "--data", "imagefolder", "--data-dir", str(tmp_path / "no"))
+    one_line_error(missing, "no")
+    (tmp_path / "empty").mkdir()
+    empty = lgvit("train", *base, "--data", "imagefolder", "--data-dir", str(tmp_path / "empty"))
+    one_line_error(empty, "empty")
+    _folder(tmp_path / "mm", {"train": ["cat", "dog"], "val": ["cat", "emu"]})
+    mismatch = lgvit("train", *base, "--data", "imagefolder", "--data-dir", str(tmp_path / "mm"))
+    one_line_error(mismatch, "dog")
+    unknown = lgvit("train", *base, "--data", "synthetic", "--set", "learning_rate=1")
+    one_line_error(unknown, "learning_rate")
+    size = lgvit("train", "--model", "lsa_tiny_224", "--img-size", "4", "--data", "synthetic",
+                 "--epochs", "1", "--out", str(tmp_path / "s"))  # fmt: skip
+    one_line_error(size, "too small")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("epochs: [1, 2\n")
+    one_line_error(lgvit("train", "--config", str(cfg)), "c.yaml")
+
+
+def test_unreadable_images_skipped_then_threshold(tmp_path):
+    _folder(tmp_path / "d", {"train": ["a", "b"], "val": ["a", "b"]}, n=20)
+    (tmp_path / "d" / "train" / "a" / "zero.png").write_bytes(b"")
+    cache = ["--set", f"cache_dir={tmp_path / 'cache'}"]
+    ok = lgvit("train", *FAST, "--epochs", "1", "--data", "imagefolder", "--data-dir",
+               str(tmp_path / "d"), "--out", str(tmp_path / "r"), *cache)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "skipped 1 unreadable" in ok.stdout and "zero.png" in ok.stdout
+    for i in range(5):
+        (tmp_path / "d" / "train" / "b" / f"junk{i}.jpg").write_text("not an image")
+    bad = lgvit("train", *FAST, "--epochs", "1", "--data", "imagefolder", "--data-dir",
+                str(tmp_path / "d"), "--out", str(tmp_path / "r2"), *cache)  # fmt: skip
+    one_line_error(bad, "unreadable")
+
+
+def test_eval_head_mismatch_is_clear(tmp_path):
+    run = tmp_path / "r"
+    p = lgvit("train", *FAST, "--data", "synthetic", "--epochs", "1", "--out", str(run),
+              "--set", "num_classes=5")  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    ev = lgvit("eval", "--checkpoint", str(run / "last"), "--data", "digits")
+    one_line_error(ev, "5-class head", "10 classes")
+    one_line_error(lgvit("eval", "--checkpoint", str(tmp_path / "nope"), "--data", "digits"),
+                   "nope")  # fmt: skip
