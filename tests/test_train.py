@@ -129,7 +129,8 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
                    env={**ENV, "LGVIT_KILL_AFTER_EPOCH": "0"})  # fmt: skip
     assert killed.returncode == -9, killed.stderr[-2000:]  # SIGKILL after epoch 1's checkpoint
     assert len(metrics(cut)) == 1
-    resumed = lgvit("train", *args, "--out", str(cut), "--resume", "auto")
+    # Only --out and --resume: everything else (model, data, epochs, ...) comes from the run.
+    resumed = lgvit("train", "--out", str(cut), "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     keys = ("epoch", "train_loss", "test_acc1", "test_acc5", "test_loss", "lr")

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from lgvit.errors import LgvitError
 
@@ -68,7 +69,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         "compile": True if args.compile else None, "seed": args.seed,
     }  # fmt: skip
     cfg = load_config(args.config, args.set or [], **cli)
-    metrics = train(cfg)
+    # What this invocation set explicitly: on --resume it overrides the run's saved config.
+    explicit = {k for k, v in cli.items() if v is not None}
+    explicit |= {item.split("=", 1)[0].strip() for item in args.set or []}
+    if args.config:
+        import yaml
+
+        explicit |= set(yaml.safe_load(Path(args.config).read_text()) or {})
+    metrics = train(cfg, explicit)
     if metrics and int(__import__("os").environ.get("RANK", "0")) == 0:
         print(f"final test top-1: {metrics['test_acc1']:.2f}%")
     return 0
@@ -238,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("train", "eval", "predict"):
+        from lgvit.runtime import tune_cpu_allocator
+
+        tune_cpu_allocator()  # large activations reuse heap memory (see lgvit.runtime)
     try:
         return args.func(args)
     except LgvitError as e:

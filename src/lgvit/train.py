@@ -383,8 +383,12 @@ def _find_resume(cfg: TrainConfig) -> Path | None:
     return stem
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run (or resume) a training run as configured; returns the last epoch's metrics."""
+def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Run (or resume) a training run as configured; returns the last epoch's metrics.
+
+    When resuming, the run's saved config is used; only ``out``, ``resume`` and the keys named
+    in ``explicit`` (what this invocation set: flags, ``--set``, the YAML file) override it.
+    """
     d = setup_distributed()
     out = Path(cfg.out)
     if d.main:
@@ -401,13 +405,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if resume_stem is not None:
         weights, state = load_checkpoint_pair(resume_stem)
         saved = config_from_dict(state["config"], source=f"{resume_stem}")
-        # The run's own config wins, except for how long to train and where to write.
-        keep = {
-            "epochs": cfg.epochs,
-            "out": cfg.out,
-            "resume": cfg.resume,
-            "time_limit_min": cfg.time_limit_min,
-        }
+        now = config_to_dict(cfg)
+        keep = {k: now[k] for k in {"out", "resume", *explicit}}
         cfg = config_from_dict({**config_to_dict(saved), **keep}, source="resume")
     seed_everything(cfg.seed + d.rank)
     if d.main:

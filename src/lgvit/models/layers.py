@@ -131,7 +131,11 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + MSA(LN(x)), then x + MLP(LN(x))."""
+    """Pre-norm transformer block: x + MSA(LN(x)), then x + MLP(LN(x)).
+
+    ``attn_layer`` swaps the attention for another one with the same constructor arguments
+    (the LSA local block uses it).
+    """
 
     def __init__(
         self,
@@ -143,10 +147,11 @@ class Block(nn.Module):
         drop: float = 0.0,
         attn_drop: float = 0.0,
         drop_path: float = 0.0,
+        attn_layer: type[nn.Module] | None = None,
     ) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
-        self.attn = Attention(dim, num_heads, kv_heads, qkv_bias, attn_drop, drop)
+        self.attn = (attn_layer or Attention)(dim, num_heads, kv_heads, qkv_bias, attn_drop, drop)
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
