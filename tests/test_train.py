@@ -142,8 +142,8 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
 def test_two_process_distributed_run(tmp_path):
     run = tmp_path / "ddp"
     p = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", "29517", "-m", "lgvit", "train", *FAST, "--batch-size", "16",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         "--nproc_per_node", "2", "-m", "lgvit", "train", *FAST, "--batch-size", "16",
          "--data", "synthetic", "--epochs", "1", "--out", str(run)],
         capture_output=True, text=True, env=ENV, timeout=300,
     )  # fmt: skip
