@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from lgvit.models.layers import (
     LN_EPS,
+    Attention,
     Block,
     ConvDownsample,
     DropPath,
@@ -214,35 +215,13 @@ class ShiftEmbedding(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-class LocalShiftAttention(nn.Module):
+class LocalShiftAttention(Attention):
     """At each grid position, the unshifted token attends over that position's T variants.
 
     ``query (B, N, C)`` and ``variants (T, B, N, C)``, both already normalised; output
     ``(B, N, C)``. Softmax runs over T only; ``kv_heads=1`` shares one key/value head across all
-    query heads (the tiny CIFAR model).
+    query heads (the tiny CIFAR model). Same projections as the global :class:`Attention`.
     """
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        kv_heads: int | None = None,
-        qkv_bias: bool = True,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-    ) -> None:
-        super().__init__()
-        kv_heads = kv_heads or num_heads
-        if dim % num_heads or num_heads % kv_heads:
-            raise ValueError(f"dim {dim}, heads {num_heads}, kv_heads {kv_heads} do not divide")
-        self.num_heads = num_heads
-        self.kv_heads = kv_heads
-        self.head_dim = dim // num_heads
-        self.q = nn.Linear(dim, dim, bias=qkv_bias)
-        self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=qkv_bias)
-        self.attn_drop = attn_drop
-        self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(self, query: torch.Tensor, variants: torch.Tensor) -> torch.Tensor:
         T, B, N, C = variants.shape
