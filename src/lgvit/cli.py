@@ -118,7 +118,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from lgvit.data.datasets import load_dataset
-    from lgvit.data.loader import AugmentConfig, BatchLoader
+    from lgvit.data.loader import AugmentConfig
+    from lgvit.data.stream import make_loader
     from lgvit.train import Dist, evaluate, resolve_amp
 
     model, meta = _load_for_eval(args.checkpoint, args.model, args.img_size)
@@ -131,10 +132,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "fine-tune it with `lgvit train` or evaluate on a dataset with the same classes"
         )
     aug = AugmentConfig(img_size=size, mean=tuple(splits.mean), std=tuple(splits.std))
-    loader = BatchLoader(
-        splits.test.images, splits.test.labels, args.batch_size, num_classes=n_data,
-        train=False, aug=aug,
-    )  # fmt: skip
+    loader = make_loader(splits.test, args.batch_size, num_classes=n_data, train=False, aug=aug)
     d = Dist()
     res = evaluate(model, loader, n_data, d, resolve_amp(args.amp, torch.device("cpu")))
     res["classes"] = list(splits.test.classes)

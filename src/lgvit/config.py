@@ -58,6 +58,7 @@ class TrainConfig:
     data_dir: str | None = None
     cache_dir: str | None = None
     max_bad_fraction: float = 0.05
+    stream: bool | None = None  # imagefolder: None = stream from files when too big to cache
     # schedule
     epochs: int = 300
     batch_size: int = 64  # per process

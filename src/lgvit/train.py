@@ -33,6 +33,7 @@ from lgvit.checkpoint import (
 from lgvit.config import TrainConfig, config_from_dict, config_to_dict, save_config, scaled_lr
 from lgvit.data.datasets import DatasetSplits, load_dataset
 from lgvit.data.loader import AugmentConfig, BatchLoader
+from lgvit.data.stream import make_loader
 from lgvit.data.transforms import soft_target_cross_entropy
 from lgvit.errors import LgvitError
 from lgvit.models import create_model, get_model_config, is_model
@@ -174,6 +175,7 @@ def build_data(cfg: TrainConfig, img_size: int, d: Dist) -> DatasetSplits:
         cache_dir=cfg.cache_dir,
         max_bad_fraction=cfg.max_bad_fraction,
         seed=cfg.seed,
+        stream=cfg.stream,
     )
     if cfg.data == "synthetic" and cfg.num_classes:
         kw["num_classes"] = cfg.num_classes
@@ -436,15 +438,14 @@ def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -
         log(f"skipped {len(splits.skipped)} unreadable images, e.g. {splits.skipped[:3]}")
 
     aug = augment_config(cfg, img_size, splits)
-    train_loader = BatchLoader(
-        splits.train.images, splits.train.labels, cfg.batch_size, num_classes=num_classes,
-        train=True, aug=aug, seed=cfg.seed, rank=d.rank, world_size=world, device=d.device,
-        repeated_aug=cfg.repeated_aug,
+    common = dict(
+        num_classes=num_classes, aug=aug, seed=cfg.seed, rank=d.rank, world_size=world,
+        device=d.device, workers=cfg.workers, max_bad_fraction=cfg.max_bad_fraction,
     )  # fmt: skip
-    test_loader = BatchLoader(
-        splits.test.images, splits.test.labels, max(cfg.batch_size, 64), num_classes=num_classes,
-        train=False, aug=aug, seed=cfg.seed, rank=d.rank, world_size=world, device=d.device,
-    )  # fmt: skip
+    train_loader = make_loader(
+        splits.train, cfg.batch_size, train=True, repeated_aug=cfg.repeated_aug, **common
+    )
+    test_loader = make_loader(splits.test, max(cfg.batch_size, 64), train=False, **common)
     if len(train_loader) == 0:
         raise LgvitError(
             f"--batch-size {cfg.batch_size} x {world} process(es) is larger than the "

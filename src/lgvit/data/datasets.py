@@ -104,11 +104,26 @@ class ImageSet:
 
 
 @dataclass
+class FileImageSet:
+    """A split read from its image files while iterating (too large to decode once)."""
+
+    paths: list[str]
+    labels: torch.Tensor
+    classes: list[str]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+
+STREAM_ABOVE_BYTES = 4 * 2**30  # an imagefolder whose decoded cache would exceed this streams
+
+
+@dataclass
 class DatasetSplits:
     """Train and test splits plus the per-dataset normalisation (in ``[0, 1]`` units)."""
 
-    train: ImageSet
-    test: ImageSet
+    train: ImageSet | FileImageSet
+    test: ImageSet | FileImageSet
     name: str
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
@@ -136,6 +151,7 @@ def load_dataset(
     synthetic_size: tuple[int, int] = (512, 128),
     num_classes: int = 10,
     seed: int = 0,
+    stream: bool | None = None,
 ) -> DatasetSplits:
     """Load ``name`` (one of :func:`dataset_names`) as uint8 tensors.
 
@@ -143,7 +159,10 @@ def load_dataset(
     and ``synthetic`` (output size, default 32); CIFAR is always stored at its native 32x32.
     ``cache_dir`` defaults to :func:`default_cache_dir`. ``max_bad_fraction`` is the share of
     unreadable images per imagefolder split tolerated before giving up. ``synthetic_size``,
-    ``num_classes`` and ``seed`` only affect ``synthetic``.
+    ``num_classes`` and ``seed`` only affect ``synthetic``. ``stream`` (imagefolder only): True
+    returns the splits as :class:`FileImageSet` file lists for :mod:`lgvit.data.stream`, False
+    always decodes into the cache, None (default) streams when the images would be resized and
+    the decoded cache would exceed ``STREAM_ABOVE_BYTES`` (ImageNet).
     """
     key = name.strip().lower()
     if key not in _DATASETS:
@@ -162,7 +181,9 @@ def load_dataset(
                 "the imagefolder dataset needs data_dir (--data-dir): a folder with "
                 "train/ and val/ (or test/), or a .tar.gz of one"
             )
-        return _load_imagefolder(Path(data_dir).expanduser(), img_size, cache, max_bad_fraction)
+        return _load_imagefolder(
+            Path(data_dir).expanduser(), img_size, cache, max_bad_fraction, stream
+        )
     if key == "digits":
         return _load_digits(img_size or 32)
     return _load_synthetic(img_size or 32, synthetic_size, num_classes, seed)
@@ -913,7 +934,11 @@ def _check_bad(split_dir: Path, bad: list[str], total: int, max_bad_fraction: fl
 
 
 def _load_imagefolder(
-    data_dir: Path, img_size: int | None, cache: Path, max_bad_fraction: float
+    data_dir: Path,
+    img_size: int | None,
+    cache: Path,
+    max_bad_fraction: float,
+    stream: bool | None = None,
 ) -> DatasetSplits:
     root = _imagefolder_root(data_dir, cache)
     val_name = "val" if (root / "val").is_dir() else "test"
@@ -929,6 +954,23 @@ def _load_imagefolder(
             f"{', '.join(only_v) or '-'}"
         )
 
+    if stream is None:
+        first = _probe_size(train.paths)
+        side = round((img_size or 224) / 0.875)
+        n = len(train.paths) + len(val.paths)
+        big = n * 3 * side * side > STREAM_ABOVE_BYTES
+        stream = first is not None and _store_plan(first, img_size) is None and big
+    if stream:
+        classes = list(train.classes)
+        cifar_like = tuple(classes) == CIFAR10_CLASSES
+        return DatasetSplits(
+            train=FileImageSet(train.paths, torch.tensor(train.labels, dtype=torch.int64), classes),
+            test=FileImageSet(val.paths, torch.tensor(val.labels, dtype=torch.int64), classes),
+            name="imagefolder",
+            mean=CIFAR10_MEAN if cifar_like else IMAGENET_MEAN,
+            std=CIFAR10_STD if cifar_like else IMAGENET_STD,
+            skipped=[],
+        )
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", root.name) or "root"
     base = cache / "imagefolder" / f"{safe}-{_cache_key(root, img_size, [train, val])}"
     cached = _read_cache(base)

@@ -1,0 +1,172 @@
+"""Large image folders (ImageNet) stream from their files through DataLoader workers.
+
+Small datasets are decoded once into a uint8 cache (``datasets.py``); a folder whose decoded cache
+would be too large is read as it is iterated instead: workers decode each batch's files, crop them
+(train: RandomResizedCrop, bicubic, torchvision's sampling; eval: resize to size/crop_pct and
+center crop) and hand back uint8 batches, on which the main process runs the same batched recipe
+as :class:`BatchLoader` (flip, RandAugment, normalisation, erasing, mixup/cutmix). Sharding,
+seeding and batch counts are BatchLoader's, so runs stay reproducible and resumable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+from lgvit.data.datasets import FileImageSet, ImageSet, _resize_center_crop, _to_rgb
+from lgvit.data.loader import BatchLoader, _seed
+from lgvit.data.transforms import normalize
+from lgvit.errors import LgvitError
+
+
+def random_resized_box(
+    width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float], rng: Any
+) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop box (left, top, right, bottom): 10 tries, then center."""
+    area = width * height
+    log_r = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_r))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            top, left = rng.randint(0, height - h), rng.randint(0, width - w)
+            return left, top, left + w, top + h
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif in_ratio > ratio[1]:
+        w, h = round(height * ratio[1]), height
+    else:
+        w, h = width, height
+    left, top = (width - w) // 2, (height - h) // 2
+    return left, top, left + w, top + h
+
+
+class _DecodeBatches(Dataset):
+    """Item i: the files of batch i decoded to uint8 ``(B, 3, S, S)`` plus a readable mask."""
+
+    def __init__(
+        self,
+        paths: list[str],
+        batches: list[list[int]],
+        size: int,
+        train: bool,
+        crop_pct: float,
+        scale: tuple[float, float],
+        ratio: tuple[float, float],
+        seed: int,
+    ) -> None:
+        self.paths, self.batches, self.size, self.train = paths, batches, size, train
+        self.crop_pct, self.scale, self.ratio, self.seed = crop_pct, scale, ratio, seed
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = random.Random(self.seed * 1_000_003 + i)  # per batch: workers can't reorder it
+        s = self.size
+        out = np.zeros((len(self.batches[i]), s, s, 3), dtype=np.uint8)
+        ok = torch.zeros(len(self.batches[i]), dtype=torch.bool)
+        for j, idx in enumerate(self.batches[i]):
+            try:
+                with Image.open(self.paths[idx]) as img:
+                    img.load()
+                    rgb = _to_rgb(img)
+            except Exception:  # unreadable file: masked out and counted by the loader
+                continue
+            if self.train:
+                box = random_resized_box(*rgb.size, self.scale, self.ratio, rng)
+                rgb = rgb.resize((s, s), Image.Resampling.BICUBIC, box=box)
+            else:
+                rgb = _resize_center_crop(rgb, round(s / self.crop_pct))
+                off = (rgb.size[0] - s) // 2
+                rgb = rgb.crop((off, off, off + s, off + s))
+            out[j] = np.asarray(rgb, dtype=np.uint8)
+            ok[j] = True
+        return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous(), ok
+
+
+class StreamingLoader(BatchLoader):
+    """:class:`BatchLoader` over image files decoded by ``workers`` DataLoader processes."""
+
+    def __init__(
+        self,
+        files: FileImageSet,
+        batch_size: int,
+        *,
+        workers: int = 2,
+        max_bad_fraction: float = 0.05,
+        **kwargs: Any,
+    ) -> None:
+        # Sharding and batching only need the sample count: an empty (N, 3, 0, 0) stand-in.
+        stand_in = torch.empty((len(files), 3, 0, 0), dtype=torch.uint8)
+        super().__init__(stand_in, files.labels, batch_size, **kwargs)
+        self.files = files
+        self.workers = workers
+        self.max_bad_fraction = max_bad_fraction
+        # Cropping happens in the workers; the batched recipe then only flips (no second crop).
+        self._crop_aug = self.aug
+        self.aug = dataclasses.replace(self.aug, train_crop="none")
+        self.seen = self.bad = 0
+        self.first_bad: str | None = None
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        idx_all = self.indices()
+        batches = [idx_all[s:e].tolist() for s, e in self._batch_bounds(idx_all.numel())]
+        a = self._crop_aug
+        ds = _DecodeBatches(
+            self.files.paths, batches, a.img_size, self.train, a.crop_pct, a.rrc_scale,
+            a.rrc_ratio, _seed(self.seed, self.epoch, self.rank, 2),
+        )  # fmt: skip
+        dl = DataLoader(
+            ds, batch_size=None, shuffle=False, num_workers=self.workers,
+            pin_memory=self.device.type == "cuda",
+        )  # fmt: skip
+        gen = torch.Generator().manual_seed(_seed(self.seed, self.epoch, self.rank, 1))
+        for (x, ok), idx in zip(dl, batches, strict=True):
+            y = self.labels[idx]
+            self.seen += len(idx)
+            bad_now = (~ok).nonzero().flatten().tolist()
+            if bad_now:
+                self.bad += len(bad_now)
+                self.first_bad = self.first_bad or self.files.paths[idx[bad_now[0]]]
+                if self.bad > self.max_bad_fraction * max(self.seen, 100):
+                    raise LgvitError(
+                        f"{self.bad} of the first {self.seen} images are unreadable (more than "
+                        f"{self.max_bad_fraction:.0%}), e.g. {self.first_bad}"
+                    )
+            x, y = x[ok], y[ok]
+            if self._mix and len(y) % 2:
+                x, y = x[:-1], y[:-1]
+            if len(y) == 0:
+                continue
+            if self.train:
+                yield self._train_batch(x, y, gen)
+            else:
+                yield normalize(self._to_device(x), self.aug.mean, self.aug.std), self._to_device(y)
+
+
+def make_loader(
+    split: ImageSet | FileImageSet,
+    batch_size: int,
+    *,
+    workers: int = 2,
+    max_bad_fraction: float = 0.05,
+    **kwargs: Any,
+) -> BatchLoader:
+    """A :class:`BatchLoader` for a decoded split, a :class:`StreamingLoader` for a file list."""
+    if isinstance(split, FileImageSet):
+        return StreamingLoader(
+            split, batch_size, workers=workers, max_bad_fraction=max_bad_fraction, **kwargs
+        )
+    return BatchLoader(split.images, split.labels, batch_size, **kwargs)
