@@ -7,6 +7,7 @@ training, evaluation, checkpoints, and ``train()`` tying them together.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -30,7 +31,14 @@ from lgvit.checkpoint import (
     save_checkpoint,
     state_dict_to_cpu,
 )
-from lgvit.config import TrainConfig, config_from_dict, config_to_dict, save_config, scaled_lr
+from lgvit.config import (
+    TrainConfig,
+    config_from_dict,
+    config_keys,
+    config_to_dict,
+    save_config,
+    scaled_lr,
+)
 from lgvit.data.datasets import DatasetSplits, load_dataset
 from lgvit.data.loader import AugmentConfig, BatchLoader
 from lgvit.data.stream import make_loader
@@ -203,23 +211,10 @@ def build_model(cfg: TrainConfig, num_classes: int) -> tuple[nn.Module, int]:
 
 
 def augment_config(cfg: TrainConfig, img_size: int, splits: DatasetSplits) -> AugmentConfig:
-    return AugmentConfig(
-        img_size=img_size,
-        train_crop=cfg.train_crop,
-        crop_padding=cfg.crop_padding,
-        hflip=cfg.hflip,
-        rand_augment=cfg.rand_augment,
-        mixup=cfg.mixup,
-        cutmix=cfg.cutmix,
-        mixup_switch_prob=cfg.mixup_switch_prob,
-        mixup_prob=cfg.mixup_prob,
-        label_smoothing=cfg.label_smoothing,
-        reprob=cfg.reprob,
-        remode=cfg.remode,
-        crop_pct=cfg.crop_pct,
-        mean=tuple(splits.mean),
-        std=tuple(splits.std),
-    )
+    """The recipe keys of the run config (same names in both), at the run's size and stats."""
+    shared = {f.name for f in dataclasses.fields(AugmentConfig)} & set(config_keys())
+    kw = {k: getattr(cfg, k) for k in shared - {"img_size", "mean", "std"}}
+    return AugmentConfig(img_size=img_size, mean=tuple(splits.mean), std=tuple(splits.std), **kw)
 
 
 # --------------------------------------------------------------------------------- evaluation
