@@ -82,47 +82,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_for_eval(checkpoint: str, model_name: str | None, img_size: int | None):
-    """Weights + metadata -> (model, metadata); clear errors for the common mismatches."""
-    from lgvit.checkpoint import load_metadata, load_weights
-    from lgvit.models import create_model, get_model_config, is_model
-
-    weights = load_weights(checkpoint)
-    try:
-        meta = load_metadata(checkpoint)
-    except LgvitError:
-        meta = {}  # a plain .pt state dict carries no metadata
-    name = model_name or meta.get("model")
-    if not name:
-        raise LgvitError(f"{checkpoint}: no model name stored in it; pass --model NAME")
-    if not is_model(name):
-        raise LgvitError(f"unknown model {name!r}; `lgvit info` lists the registered ones")
-    if "head.weight" not in weights:
-        raise LgvitError(f"{checkpoint}: no 'head.weight' in it: not an lgvit classifier")
-    ckpt_classes = weights["head.weight"].shape[0]
-    size = img_size or int(meta.get("img_size", get_model_config(name).input_size[-1]))
-    try:
-        model = create_model(name, num_classes=ckpt_classes, img_size=size)
-    except ValueError as e:
-        raise LgvitError(f"model {name} at image size {size}: {e}") from None
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()
-        detail = next((ln.strip() for ln in first[1:] if ln.strip()), first[0])
-        raise LgvitError(f"{checkpoint} does not fit model {name}: {detail}") from None
-    return model.eval(), meta
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
-    import torch
 
     from lgvit.data.datasets import load_dataset
     from lgvit.data.loader import AugmentConfig
     from lgvit.data.stream import make_loader
+    from lgvit.inference import load_model
     from lgvit.train import Dist, evaluate, resolve_amp
 
-    model, meta = _load_for_eval(args.checkpoint, args.model, args.img_size)
+    model = load_model(args.checkpoint, args.device, args.model, args.img_size)
+    device = next(model.parameters()).device
     size = model.img_size[0]
     splits = load_dataset(args.data, args.data_dir, img_size=size, cache_dir=args.cache_dir)
     n_data, n_head = len(splits.test.classes), model.num_classes
@@ -133,8 +102,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
     aug = AugmentConfig(img_size=size, mean=tuple(splits.mean), std=tuple(splits.std))
     loader = make_loader(splits.test, args.batch_size, num_classes=n_data, train=False, aug=aug)
-    d = Dist()
-    res = evaluate(model, loader, n_data, d, resolve_amp(args.amp, torch.device("cpu")))
+    d = Dist(device=device)
+    res = evaluate(model, loader, n_data, d, resolve_amp(args.amp, device))
     res["classes"] = list(splits.test.classes)
     res["checkpoint"] = str(args.checkpoint)
     if args.json:
@@ -152,18 +121,20 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     from lgvit.data.datasets import read_image_rgb
     from lgvit.data.transforms import normalize, resize_center_crop
+    from lgvit.inference import load_model
 
-    model, meta = _load_for_eval(args.checkpoint, args.model, args.img_size)
+    model = load_model(args.checkpoint, args.device, args.model, args.img_size)
+    device = next(model.parameters()).device
+    cfg = model.pretrained_cfg  # the checkpoint's class names and normalisation
     size = model.img_size[0]
-    classes = json.loads(meta["classes"]) if "classes" in meta else None
-    mean = tuple(json.loads(meta["mean"])) if "mean" in meta else model.default_cfg.mean
-    std = tuple(json.loads(meta["std"])) if "std" in meta else model.default_cfg.std
+    classes = cfg.get("label_names")
+    mean, std = tuple(cfg["mean"]), tuple(cfg["std"])
     results = []
     for path in args.images:
         img = read_image_rgb(path)  # uint8 (3, H, W); LgvitError on unreadable files
-        x = resize_center_crop(img[None], size, crop_pct=model.default_cfg.crop_pct)
+        x = resize_center_crop(img[None], size, crop_pct=cfg["crop_pct"])
         with torch.no_grad():
-            probs = model(normalize(x, mean, std)).softmax(-1)[0]
+            probs = model(normalize(x, mean, std).to(device)).softmax(-1)[0].cpu()
         top = probs.topk(min(args.topk, len(probs)))
         labels = [classes[i] if classes else str(i) for i in top.indices.tolist()]
         results.append(
@@ -223,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--img-size", type=int, help="default: the size it was trained at")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--amp", choices=["auto", "bf16", "none"], default="auto")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: CUDA if any)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
 
@@ -231,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="default: the name stored in the checkpoint")
     p.add_argument("--img-size", type=int)
     p.add_argument("--topk", type=int, default=5)
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: CUDA if any)")
     p.add_argument("--json", action="store_true")
     p.add_argument("images", nargs="+")
     p.set_defaults(func=cmd_predict)

@@ -1,7 +1,9 @@
 """Registered model families; importing this module registers them all."""
 
 from lgvit.models import lsa  # noqa: F401  (registers the LSA family)
+from lgvit.models.base import StagedViT
 from lgvit.models.registry import (
+    FeatureMaps,
     ModelConfig,
     create_model,
     get_model_config,
@@ -11,7 +13,9 @@ from lgvit.models.registry import (
 )
 
 __all__ = [
+    "FeatureMaps",
     "ModelConfig",
+    "StagedViT",
     "create_model",
     "get_model_config",
     "is_model",

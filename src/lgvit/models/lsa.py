@@ -1,6 +1,7 @@
 """Locally Shifted Attention ViT (Sheynin, Benaim, Polyak, Wolf).
 
-"Locally Shifted Attention With Early Global Integration" (papers 000/001; SPEC.md section 1).
+"Locally Shifted Attention With Early Global Integration" (and its first version, "Local-Global
+Shifting Vision Transformers").
 
 The image is embedded T times, once per small shift (dy, dx) of the whole image; at every grid
 position a *local* attention block lets the unshifted token (the query) attend over its T shifted
@@ -9,7 +10,7 @@ variants (keys/values), which yields one "virtually located" token per position.
 and a LayerNorm + mean-pool + linear head.
 
 Where we differ from the authors' code (github.com/shellysheynin/Locally-SAG-Transformer) we follow
-the paper, as SPEC.md asks:
+the paper:
 
 * their local attention ends in ``(attn @ v).squeeze()``, which breaks a batch of one; ours is
   batch-invariant;
@@ -20,8 +21,8 @@ the paper, as SPEC.md asks:
 
 Speed: the patches of all T shifted copies are gathered at once (no Python loop over shifts) and
 the T per-variant convolutions run as one batched matmul; the T-variant tensor stays T-major so
-it is never transposed; both attentions go through ``F.scaled_dot_product_attention``, with query
-heads that share a key/value head folded into one call.
+it is never transposed; every attention goes through the shared SDPA helper, with query heads
+that share a key/value head folded into one call.
 
 Ablation A (``lsa_tiny_cifar_a``, "no shifts, no local block"): stage 1 keeps its depth, a
 global block standing where the local block was; 6.8M params, as the paper's Table 5.
@@ -29,30 +30,40 @@ global block standing where the local block was; 6.8M params, as the paper's Tab
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lgvit.models.base import StagedViT
 from lgvit.models.layers import (
     LN_EPS,
     Attention,
     Block,
-    ConvDownsample,
-    DropPath,
-    Mlp,
+    FeatureInfo,
+    Grid,
+    Stage,
+    WindowAttention,
     contiguous_grad,
     conv_out_size,
-    grid_from_tokens,
+    drop_path_schedule,
     init_vit_weights,
+    map_to_tokens,
+    multihead_sdpa,
+    per_stage,
+    register_resize_on_load,
     resize_pos_embed,
+    to_2tuple,
+    tokens_to_map,
     trunc_normal_,
 )
 from lgvit.models.registry import CIFAR_MEAN, CIFAR_STD, ModelConfig, register_model
 
-# Shift lists, as (dy, dx); the first is always the identity (the query variant).
 CIFAR_SHIFTS = (
     (0, 0), (1, 0), (0, 1), (-1, 0), (0, -1), (2, 0), (0, 2), (-2, 0), (0, -2),
     (1, 1), (1, 2), (1, -1), (-1, 1), (-1, 2), (-1, -1), (2, 1), (2, 2), (2, -1),
@@ -223,23 +234,20 @@ class LocalShiftAttention(Attention):
     query heads (the tiny CIFAR model). Same projections as the global :class:`Attention`.
     """
 
-    def forward(self, query: torch.Tensor, variants: torch.Tensor) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, variants: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         T, B, N, C = variants.shape
-        # Every grid position is its own attention problem: fold positions into the batch.
-        # Query heads that share a key/value head are stacked along the query length (the
-        # grouped-query trick): with kv_heads=1 that is one (heads x T) attention per position
-        # instead of `heads` separate (1 x T) ones, ~3x faster on CPU.
-        group = self.num_heads // self.kv_heads
-        q = self.q(query).reshape(B * N, self.kv_heads, group, self.head_dim)
+        # Every grid position is its own attention problem: fold positions into the batch
+        # (one query token per problem, so the grouped-query fold costs no copy: ~3x faster on
+        # CPU than separate (1 x T) attentions per head with kv_heads=1).
+        q = self.q(query).reshape(B * N, 1, C)
         # Position-major copy of the (smaller) key/value tensor: SDPA then reads k and v as
         # plain strided views, and the backward hands the projection a gradient that is one
         # transpose away from contiguous (a permuted one made its matmul ~5x slower).
         kv = contiguous_grad(self.kv(variants))
-        kv = kv.flatten(1, 2).transpose(0, 1).contiguous()  # (B*N, T, 2*kvh*hd)
-        k, v = kv.view(B * N, T, 2, self.kv_heads, self.head_dim).unbind(2)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B*N, kv_heads, T, head_dim)
+        kv = kv.flatten(1, 2).transpose(0, 1).contiguous()  # (B*N, T, 2*kv_heads*head_dim)
+        c = self.kv_heads * self.head_dim
         drop = self.attn_drop if self.training else 0.0
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)  # (B*N, kv_heads, group, hd)
+        x = multihead_sdpa(q, kv[..., :c], kv[..., c:], self.num_heads, self.kv_heads, None, drop)
         return self.proj_drop(self.proj(x.reshape(B, N, C)))
 
 
@@ -249,15 +257,16 @@ class LocalShiftBlock(Block):
     x0 is the unshifted token (with its position embedding); the variants include it.
     """
 
-    def __init__(self, dim: int, num_heads: int, **kwargs: Any) -> None:
-        super().__init__(dim, num_heads, attn_layer=LocalShiftAttention, **kwargs)
+    def __init__(self, dim: int, num_heads: int, kv_heads: int | None = None, **kwargs: Any):
+        attn = partial(LocalShiftAttention, kv_heads=kv_heads)
+        super().__init__(dim, num_heads, attn_layer=attn, **kwargs)
 
-    def forward(
-        self, x: torch.Tensor, variants: torch.Tensor | None, grid: tuple[int, int]
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, variants: torch.Tensor, hw: Grid
     ) -> torch.Tensor:
         # LN is per token, so norm1(x) is exactly variant 0 of norm1(variants).
         x = x + self.drop_path1(self.attn(self.norm1(x), self.norm1(variants)))
-        return x + self.drop_path2(self.mlp(self.norm2(x)))
+        return x + self.drop_path2(self.mlp(self.norm2(x), hw))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,79 +274,20 @@ class LocalShiftBlock(Block):
 # ---------------------------------------------------------------------------------------------
 
 
-class WindowAttention(nn.Module):
-    """Swin's window attention with a learned relative-position bias, optionally shifted."""
-
-    def __init__(self, dim: int, num_heads: int, window: int, shift: int) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.window = window
-        self.shift = shift
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.rel_pos_bias = nn.Parameter(torch.zeros((2 * window - 1) ** 2, num_heads))
-        trunc_normal_(self.rel_pos_bias)
-        coords = torch.stack(
-            torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")
-        ).flatten(1)
-        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)
-        self.register_buffer("rel_index", rel[..., 0] * (2 * window - 1) + rel[..., 1], False)
-
-    def _shift_mask(self, H: int, W: int, device: torch.device) -> torch.Tensor | None:
-        if not self.shift:
-            return None
-        w, s = self.window, self.shift
-        region = torch.zeros(H, W, device=device)
-        cnt = 0
-        for hs in (slice(0, -w), slice(-w, -s), slice(-s, None)):
-            for ws in (slice(0, -w), slice(-w, -s), slice(-s, None)):
-                region[hs, ws] = cnt
-                cnt += 1
-        r = region.view(H // w, w, W // w, w).permute(0, 2, 1, 3).reshape(-1, w * w)
-        return (r[:, None, :] != r[:, :, None]).float() * -100.0  # (nW, w*w, w*w)
-
-    def forward(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        B, N, C = x.shape
-        H, W = grid
-        w, hd = self.window, C // self.num_heads
-        if H % w or W % w:
-            raise ValueError(f"token grid {grid} is not divisible by the window {w}")
-        x = x.view(B, H, W, C)
-        if self.shift:
-            x = torch.roll(x, (-self.shift, -self.shift), (1, 2))
-        x = x.view(B, H // w, w, W // w, w, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, w * w, C)
-        qkv = self.qkv(x).view(x.shape[0], w * w, 3, self.num_heads, hd).permute(2, 0, 3, 1, 4)
-        bias = self.rel_pos_bias[self.rel_index.view(-1)].view(w * w, w * w, -1).permute(2, 0, 1)
-        mask = bias.unsqueeze(0).to(x.dtype)  # (1, heads, w*w, w*w)
-        shift_mask = self._shift_mask(H, W, x.device)
-        if shift_mask is not None:
-            nw = shift_mask.shape[0]
-            mask = mask.view(1, 1, *mask.shape[1:]) + shift_mask[None, :, None].to(x.dtype)
-            mask = mask.expand(B, -1, -1, -1, -1).reshape(B * nw, self.num_heads, w * w, w * w)
-        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)
-        y = self.proj(y.transpose(1, 2).reshape(-1, w * w, C))
-        y = y.view(B, H // w, W // w, w, w, C).permute(0, 1, 3, 2, 4, 5).reshape(B, H, W, C)
-        if self.shift:
-            y = torch.roll(y, (self.shift, self.shift), (1, 2))
-        return y.reshape(B, N, C)
-
-
 class SwinLocalBlock(nn.Module):
     """Table 6 variant I: a Swin block pair (window, then shifted window) as the local block."""
 
-    def __init__(self, dim: int, num_heads: int, window: int = 8, drop_path: float = 0.0):
+    def __init__(self, dim: int, num_heads: int, window: int = 8, **block_kwargs: Any) -> None:
         super().__init__()
-        self.norms = nn.ModuleList(nn.LayerNorm(dim, eps=LN_EPS) for _ in range(4))
-        self.attns = nn.ModuleList(
-            WindowAttention(dim, num_heads, window, shift) for shift in (0, window // 2)
-        )
-        self.mlps = nn.ModuleList(Mlp(dim, 4 * dim) for _ in range(2))
-        self.drop_path = DropPath(drop_path)
+        self.blocks = nn.ModuleList(
+            Block(dim, num_heads, attn_layer=partial(WindowAttention, window=window, shift=s),
+                  **block_kwargs)
+            for s in (0, window // 2)
+        )  # fmt: skip
 
-    def forward(self, x: torch.Tensor, variants: None, grid: tuple[int, int]) -> torch.Tensor:
-        for i in range(2):
-            x = x + self.drop_path(self.attns[i](self.norms[2 * i](x), grid))
-            x = x + self.drop_path(self.mlps[i](self.norms[2 * i + 1](x)))
+    def forward(self, x: torch.Tensor, hw: Grid) -> torch.Tensor:
+        for blk in self.blocks:
+            x = blk(x, hw)
         return x
 
 
@@ -350,116 +300,126 @@ class ConvProjection(nn.Module):
         self.bn = nn.BatchNorm2d(dim)
         self.linear = nn.Linear(dim, out_dim)
 
-    def forward(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        B, N, C = x.shape
-        x = self.bn(self.conv(x.transpose(1, 2).reshape(B, C, *grid)))
-        return self.linear(x.flatten(2).transpose(1, 2))
+    def forward(self, x: torch.Tensor, hw: Grid) -> torch.Tensor:
+        return self.linear(map_to_tokens(self.bn(self.conv(tokens_to_map(x, hw))))[0])
 
 
-class CvTLocalBlock(nn.Module):
-    """Table 6 variant II: CvT attention (convolutional q/k/v projections, k/v stride 2) + MLP."""
+class ConvProjectionAttention(nn.Module):
+    """CvT's attention: queries, keys and values from convolutional projections (keys and
+    values at stride 2)."""
 
-    def __init__(self, dim: int, num_heads: int, drop_path: float = 0.0) -> None:
+    def __init__(self, dim: int, num_heads: int, *, attn_drop: float = 0.0,
+                 proj_drop: float = 0.0, **_: Any) -> None:  # fmt: skip
         super().__init__()
         self.num_heads = num_heads
-        self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
         self.q = ConvProjection(dim, dim, stride=1)
         self.k = ConvProjection(dim, dim, stride=2)
         self.v = ConvProjection(dim, dim, stride=2)
+        self.attn_drop = attn_drop
         self.proj = nn.Linear(dim, dim)
-        self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
-        self.mlp = Mlp(dim, 4 * dim)
-        self.drop_path = DropPath(drop_path)
+        self.proj_drop = nn.Dropout(proj_drop)
 
-    def attn(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        B, N, C = x.shape
-        q, k, v = (
-            p(x, grid).view(B, -1, self.num_heads, C // self.num_heads).transpose(1, 2)
-            for p in (self.q, self.k, self.v)
-        )
-        y = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(y.transpose(1, 2).reshape(B, N, C))
-
-    def forward(self, x: torch.Tensor, variants: None, grid: tuple[int, int]) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x), grid))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+    def forward(self, x: torch.Tensor, hw: Grid) -> torch.Tensor:
+        drop = self.attn_drop if self.training else 0.0
+        q, k, v = self.q(x, hw), self.k(x, hw), self.v(x, hw)
+        return self.proj_drop(self.proj(multihead_sdpa(q, k, v, self.num_heads, dropout_p=drop)))
 
 
 class ConvTokenEmbedding(nn.Module):
-    """CvT's convolutional token embedding: an overlapping conv followed by LayerNorm."""
+    """CvT's convolutional token embedding: an overlapping conv followed by LayerNorm (takes
+    :class:`ShiftEmbedding`'s arguments; it embeds the unshifted image only)."""
 
-    def __init__(self, in_chans: int, dim: int, kernel: int, stride: int, padding: int) -> None:
+    num_variants = 1
+
+    def __init__(
+        self, shifts: Sequence, in_chans: int, dim: int, kernel: int, stride: int, padding: int,
+        **_: Any,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.num_variants = 1
         self.proj = nn.Conv2d(in_chans, dim, kernel, stride, padding)
         self.norm = nn.LayerNorm(dim, eps=LN_EPS)
 
     def forward(self, x: torch.Tensor, with_variants: bool = False) -> tuple:
-        y = self.proj(x)
-        h, w = y.shape[-2:]
-        return self.norm(y.flatten(2).transpose(1, 2)), None, (h, w)
+        tokens, hw = map_to_tokens(self.proj(x))
+        return self.norm(tokens), None, hw
 
 
 # ---------------------------------------------------------------------------------------------
-# The model
+# Downsampling and the model
 # ---------------------------------------------------------------------------------------------
 
 
-class GlobalStage(nn.Module):
-    """[downsample] -> + position embedding -> global attention blocks."""
+class ConvDownsample(nn.Module):
+    """Tokens -> map -> conv3x3 (C_in -> C_out) -> LayerNorm over channels -> max-pool 3x3/2."""
 
-    def __init__(
-        self,
-        dim_in: int,
-        dim: int,
-        depth: int,
-        num_heads: int,
-        grid: tuple[int, int],
-        downsample: bool,
-        pos_embed: bool,
-        drop_path: Sequence[float],
-        **block_kwargs: Any,
-    ) -> None:
+    def __init__(self, dim: int, dim_out: int) -> None:
         super().__init__()
-        self.downsample = ConvDownsample(dim_in, dim) if downsample else None
-        self.grid = grid
-        self.pos_embed = nn.Parameter(torch.zeros(grid[0] * grid[1], dim)) if pos_embed else None
-        self.blocks = nn.ModuleList(
-            Block(dim, num_heads, drop_path=drop_path[i], **block_kwargs) for i in range(depth)
-        )
+        self.conv = nn.Conv2d(dim, dim_out, 3, stride=1, padding=1)
+        self.norm = nn.LayerNorm(dim_out, eps=LN_EPS)
+        self.pool = nn.MaxPool2d(3, stride=2, padding=1)
 
-    def forward(
-        self, x: torch.Tensor, grid: tuple[int, int], dynamic: bool = False
-    ) -> tuple[torch.Tensor, tuple[int, int]]:
-        if self.downsample is not None:
-            x = self.downsample(x, grid)
-            grid = ConvDownsample.out_grid(grid)
-        if self.pos_embed is not None:
-            pos = self.pos_embed
-            if dynamic and grid != self.grid:
-                pos = resize_pos_embed(pos, self.grid, grid)
-            x = x + pos
-        for blk in self.blocks:
-            x = blk(x)
-        return x, grid
+    def forward(self, x: torch.Tensor, hw: Grid) -> tuple[torch.Tensor, Grid]:
+        x = self.conv(tokens_to_map(x, hw))
+        x = self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return map_to_tokens(self.pool(x))
+
+    @staticmethod
+    def out_grid(grid: Grid) -> Grid:
+        return (grid[0] + 1) // 2, (grid[1] + 1) // 2
 
 
-class LocallyShiftedViT(nn.Module):
+@dataclass(frozen=True)
+class LocalBlockSpec:
+    """What stands first in stage 1, and what it needs from the embedding.
+
+    ``build(dim, heads, kv_heads, block_kwargs)`` makes the block; ``shifted`` blocks are called
+    ``block(x0, variants, hw)`` on the T shifted variants, the others ``block(x0, hw)`` on the
+    unshifted image only; ``embed`` makes the embedding; ``pos_embed``: whether a stage-1
+    position embedding is learned (CvT's convolutional embedding carries position itself).
+    """
+
+    build: Callable[..., nn.Module]
+    shifted: bool = False
+    embed: Callable[..., nn.Module] = ShiftEmbedding
+    pos_embed: bool = True
+
+
+LOCAL_BLOCKS: dict[str, LocalBlockSpec] = {
+    # The paper: local attention over the shifted variants.
+    "shift": LocalBlockSpec(lambda d, h, kvh, kw: LocalShiftBlock(d, h, kvh, **kw), True),
+    # Ablation A: no shifts; a global block stands where the local block was.
+    "global": LocalBlockSpec(
+        lambda d, h, kvh, kw: Block(d, h, attn_layer=partial(Attention, kv_heads=kvh), **kw)
+    ),  # fmt: skip
+    # Table 6, variant I: a Swin block pair (8x8 windows, shift 4).
+    "swin": LocalBlockSpec(lambda d, h, kvh, kw: SwinLocalBlock(d, h, **kw)),
+    # Table 6, variant II: CvT's convolutional embedding and attention.
+    "cvt": LocalBlockSpec(
+        lambda d, h, kvh, kw: Block(d, h, attn_layer=ConvProjectionAttention, **kw),
+        embed=ConvTokenEmbedding,
+        pos_embed=False,
+    ),  # fmt: skip
+}
+
+
+class LocallyShiftedViT(StagedViT):
     """The LSA model: shift embedding -> local block -> pyramid of global stages -> head.
 
     Args:
         img_size: input size the position embeddings are built for (int or (H, W)).
-        shifts: the (dy, dx) list; ``[(0, 0)]`` alone means no shifts (ablation A).
+        shifts: the (dy, dx) list; the first must be (0, 0).
         conv_per_variant: one conv per shifted copy (paper) or one shared conv after a reflection
             pre-shift (ablation C/D).
         pos_per_variant: a stage-1 position embedding per variant (T, N, C) or one shared (N, C).
-        local_block: ``'shift'`` (the paper), ``'global'`` (ablation A: a global block takes its
-            place), ``'swin'`` or ``'cvt'`` (Table 6 variants I and II).
+        local_block: a key of ``LOCAL_BLOCKS``: ``'shift'`` (the paper), ``'global'`` (ablation
+            A), ``'swin'`` or ``'cvt'`` (Table 6 variants I and II).
         dims, depths, num_heads: per stage; stage 1's depth counts the local block.
         kv_heads: key/value heads per stage (None = one per query head; 1 = multi-query).
         dynamic_img_size: accept other input sizes at run time by resizing position embeddings on
             the fly (otherwise a mismatching input is an error).
     """
+
+    stem_pattern = r"^(patch_embed|pos_embed|local_block)"
 
     def __init__(
         self,
@@ -491,94 +451,73 @@ class LocallyShiftedViT(nn.Module):
             raise ValueError(f"dims {tuple(dims)} and depths {tuple(depths)} differ in length")
         if depths[0] < 1:
             raise ValueError("stage 1 needs at least one block (the local block)")
-        num_heads = _per_stage(num_heads, n)
-        kv_heads = _per_stage(kv_heads, n)
-        self.img_size = _pair(img_size)
+        if local_block not in LOCAL_BLOCKS:
+            raise ValueError(f"unknown local_block {local_block!r}; one of {list(LOCAL_BLOCKS)}")
+        spec = LOCAL_BLOCKS[local_block]
+        num_heads = per_stage(num_heads, n, "num_heads")
+        kv_heads = per_stage(kv_heads, n, "kv_heads")
+        self.img_size = to_2tuple(img_size)
         self.in_chans = in_chans
-        self.num_classes = num_classes
         self.dims = tuple(dims)
         self.depths = tuple(depths)
-        self.local_block_type = local_block
         self.dynamic_img_size = dynamic_img_size
         self.embed_conv = (embed_kernel, embed_stride, embed_padding)
-        if local_block not in ("shift", "global", "swin", "cvt"):
-            raise ValueError(f"unknown local_block {local_block!r}")
-        if local_block != "shift":
-            shifts = ((0, 0),)  # the replacements see the unshifted image only
+        self.shifted = spec.shifted
 
-        # Stage 1: embedding and position embedding.
-        if local_block == "cvt":
-            self.patch_embed = ConvTokenEmbedding(in_chans, dims[0], *self.embed_conv)
-        else:
-            self.patch_embed = ShiftEmbedding(
-                shifts, in_chans, dims[0], *self.embed_conv, conv_per_variant=conv_per_variant
-            )
+        # Stem: embedding (T shifted copies, or the unshifted image alone), position embedding.
+        self.patch_embed = spec.embed(
+            shifts if spec.shifted else ((0, 0),), in_chans, dims[0], *self.embed_conv,
+            conv_per_variant=conv_per_variant,
+        )  # fmt: skip
         self.num_variants = self.patch_embed.num_variants
         self.grids = self._stage_grids(self.img_size)
         n_tok = self.grids[0][0] * self.grids[0][1]
-        pos_variants = self.num_variants if pos_per_variant else 1
         self.pos_per_variant = pos_per_variant and self.num_variants > 1
-        # CvT's convolutional embedding carries position itself: no stage-1 position embedding.
         self.pos_embed = None
-        if local_block != "cvt":
-            self.pos_embed = nn.Parameter(torch.zeros(pos_variants, n_tok, dims[0]))
+        if spec.pos_embed:
+            self.pos_embed = nn.Parameter(
+                torch.zeros(self.num_variants if pos_per_variant else 1, n_tok, dims[0])
+            )
+            register_resize_on_load(self, lambda: {"pos_embed": (self.grids[0], 0)})
 
-        total = sum(depths)
-        dpr = [drop_path_rate * i / max(total - 1, 1) for i in range(total)]  # linear in depth
+        dpr = drop_path_schedule(drop_path_rate, depths)
         block_kwargs = dict(
             mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate, attn_drop=attn_drop_rate
         )
-        if local_block == "shift":
-            self.local_block = LocalShiftBlock(
-                dims[0], num_heads[0], kv_heads=kv_heads[0], drop_path=dpr[0], **block_kwargs
-            )
-        elif local_block == "global":
-            self.local_block = _GlobalAsLocal(
-                Block(dims[0], num_heads[0], kv_heads=kv_heads[0], drop_path=dpr[0], **block_kwargs)
-            )
-        elif local_block == "swin":
-            self.local_block = SwinLocalBlock(dims[0], num_heads[0], swin_window, dpr[0])
-        else:
-            self.local_block = CvTLocalBlock(dims[0], num_heads[0], dpr[0])
+        local_kwargs = dict(block_kwargs, drop_path=dpr[0][0])
+        if local_block == "swin":
+            local_kwargs["window"] = swin_window
+        self.local_block = spec.build(dims[0], num_heads[0], kv_heads[0], local_kwargs)
 
         # Stages: stage 1 holds the rest of its blocks; later stages downsample first.
-        self.stages = nn.ModuleList()
-        start = 1
-        for i in range(n):
-            depth = depths[i] - (1 if i == 0 else 0)
-            self.stages.append(
-                GlobalStage(
-                    dims[i - 1] if i else dims[0],
-                    dims[i],
-                    depth,
-                    num_heads[i],
-                    self.grids[i],
-                    downsample=i > 0,
-                    pos_embed=i > 0,
-                    drop_path=dpr[start : start + depth],
-                    kv_heads=kv_heads[i],
-                    **block_kwargs,
-                )
-            )
-            start += depth
+        def block(i: int, rate: float) -> Block:
+            attn = partial(Attention, kv_heads=kv_heads[i])
+            return Block(dims[i], num_heads[i], attn_layer=attn, drop_path=rate, **block_kwargs)
 
-        self.num_features = dims[-1]
-        self.norm = nn.LayerNorm(dims[-1], eps=LN_EPS)
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(dims[-1], num_classes) if num_classes > 0 else nn.Identity()
+        self.stages = nn.ModuleList(
+            Stage(
+                [block(i, r) for r in (dpr[i][1:] if i == 0 else dpr[i])],
+                downsample=ConvDownsample(dims[i - 1], dims[i]) if i else None,
+                dim=dims[i],
+                pos_embed_grid=self.grids[i] if i else None,
+            )
+            for i in range(n)
+        )
+        self.init_head(dims[-1], num_classes, "avg", drop_rate)
         stride0 = self.img_size[0] // self.grids[0][0] if self.grids[0][0] else 1
-        self.feature_info = [
+        self.feature_info = FeatureInfo(
             dict(num_chs=dims[i], reduction=stride0 * 2**i, module=f"stages.{i}") for i in range(n)
-        ]
+        )
 
         self.apply(init_vit_weights)
-        for p in self._pos_embeds().values():
-            trunc_normal_(p, std=0.02)
-        self._register_load_state_dict_pre_hook(self._resize_pos_on_load)
+        for name, p in self.named_parameters():
+            if name.endswith("pos_embed"):
+                trunc_normal_(p, std=0.02)
+        self._register_load_state_dict_pre_hook(_map_legacy_keys)
 
     # -- geometry ---------------------------------------------------------------------------
 
-    def _stage_grids(self, img_size: tuple[int, int]) -> list[tuple[int, int]]:
+    def _stage_grids(self, img_size: Grid) -> list[Grid]:
         k, s, p = self.embed_conv
         grid = (conv_out_size(img_size[0], k, s, p), conv_out_size(img_size[1], k, s, p))
         if min(grid) < 1:
@@ -591,147 +530,66 @@ class LocallyShiftedViT(nn.Module):
             grids.append(ConvDownsample.out_grid(grids[-1]))
         return grids
 
-    def _pos_embeds(self) -> dict[str, nn.Parameter]:
-        out = {"pos_embed": self.pos_embed} if self.pos_embed is not None else {}
-        for i, stage in enumerate(self.stages):
-            if stage.pos_embed is not None:
-                out[f"stages.{i}.pos_embed"] = stage.pos_embed
-        return out
+    # -- stem -------------------------------------------------------------------------------
 
-    def _resize_pos_on_load(self, state_dict: dict, prefix: str, *args: Any) -> None:
-        """Let a checkpoint trained at another input size load: resize its position embeddings."""
-        for name, param in self._pos_embeds().items():
-            key = prefix + name
-            old = state_dict.get(key)
-            if old is None or old.shape == param.shape:
-                continue
-            if old.shape[:-2] != param.shape[:-2] or old.shape[-1] != param.shape[-1]:
-                continue  # a real mismatch: let load_state_dict report it
-            state_dict[key] = resize_pos_embed(
-                old, grid_from_tokens(old.shape[-2]), self._grid_of(name)
-            )
-
-    def _grid_of(self, name: str) -> tuple[int, int]:
-        return self.grids[0] if name == "pos_embed" else self.grids[int(name.split(".")[1])]
-
-    # -- timm interface ---------------------------------------------------------------------
-
-    @torch.jit.ignore
-    def no_weight_decay(self) -> set[str]:
-        """Position embeddings: excluded from weight decay (norms and biases are excluded too)."""
-        names = set(self._pos_embeds())
-        if self.local_block_type == "swin":
-            names |= {f"local_block.attns.{i}.rel_pos_bias" for i in range(2)}
-        return names
-
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int) -> None:
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-        if num_classes > 0:
-            init_vit_weights(self.head)
-
-    def _embed(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
+        """Image -> shift embedding (+ position) -> local block: stage 1's first tokens."""
         if x.ndim != 4 or x.shape[1] != self.in_chans:
             raise ValueError(f"expected input (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
-        with_variants = self.local_block_type == "shift"
-        x0, variants, grid = self.patch_embed(x, with_variants)  # (B, N, C), (T, B, N, C)
+        x0, variants, grid = self.patch_embed(x, self.shifted)  # (B, N, C), (T, B, N, C)
+        if grid != self.grids[0] and not self.dynamic_img_size:
+            raise ValueError(
+                f"input {x.shape[-2]}x{x.shape[-1]} gives a {grid[0]}x{grid[1]} token "
+                f"grid but the model was built for {self.img_size[0]}x{self.img_size[1]} "
+                f"({self.grids[0][0]}x{self.grids[0][1]}); create it with "
+                "img_size=... or dynamic_img_size=True"
+            )
         if self.pos_embed is not None:
-            pos = self.pos_embed  # (T or 1, N, C)
-            if grid != self.grids[0]:
-                if not self.dynamic_img_size:
-                    raise ValueError(
-                        f"input {x.shape[-2]}x{x.shape[-1]} gives a {grid[0]}x{grid[1]} token "
-                        f"grid but the model was built for {self.img_size[0]}x{self.img_size[1]} "
-                        f"({self.grids[0][0]}x{self.grids[0][1]}); create it with "
-                        "img_size=... or dynamic_img_size=True"
-                    )
-                pos = resize_pos_embed(pos, self.grids[0], grid)
+            pos = resize_pos_embed(self.pos_embed, self.grids[0], grid)  # (T or 1, N, C)
             x0 = x0 + pos[0]
             if variants is not None:
                 # Added in the variants' dtype: a bf16 tensor T times the size of the stream
                 # must not be promoted to a float32 copy.
                 variants = variants + pos[:, None].to(variants.dtype)
-        return self.local_block(x0, variants, grid), grid
-
-    def _run_stages(self, x: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, int]]]:
-        x, grid = self._embed(x)
-        outs = []
-        for stage in self.stages:
-            x, grid = stage(x, grid, dynamic=True)
-            outs.append((x, grid))
-        return outs
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Image -> final-stage tokens ``(B, N, C)`` after the final LayerNorm."""
-        return self.norm(self._run_stages(x)[-1][0])
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.head_drop(x.mean(dim=1))
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
-    def forward_intermediates(
-        self,
-        x: torch.Tensor,
-        indices: int | Sequence[int] | None = None,
-        norm: bool = False,
-        intermediates_only: bool = False,
-    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
-        """Per-stage feature maps ``(B, C, H, W)`` for dense prediction (timm's signature).
-
-        ``indices``: which stages (default all; an int n means the last n). Returns
-        ``(final_tokens, maps)``, or only ``maps`` when ``intermediates_only``; ``norm`` applies
-        the final LayerNorm to the last stage's map.
-        """
-        n = len(self.stages)
-        if indices is None:
-            take = list(range(n))
-        elif isinstance(indices, int):
-            take = list(range(n - indices, n))
-        else:
-            take = [i % n for i in indices]
-        outs = self._run_stages(x)
-        maps = []
-        for i in take:
-            t, (h, w) = outs[i]
-            if norm and i == n - 1:
-                t = self.norm(t)
-            maps.append(t.transpose(1, 2).reshape(t.shape[0], -1, h, w))
-        if intermediates_only:
-            return maps
-        return self.norm(outs[-1][0]), maps
+        if self.shifted:
+            return self.local_block(x0, variants, grid), grid
+        return self.local_block(x0, grid), grid
 
 
-class _GlobalAsLocal(nn.Module):
-    """Ablation A: with no shifted variants, stage 1's first block is a global block."""
-
-    def __init__(self, block: Block) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor, variants: None, grid: tuple[int, int]) -> torch.Tensor:
-        return self.block(x)
-
-
-def _pair(v: int | Sequence[int]) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+# Checkpoints saved before the shared model core (lgvit 0.1) named a few modules differently.
+_LEGACY_RENAMES = (
+    (r"local_block\.block\.", "local_block."),  # ablation A
+    (r"local_block\.(q|k|v|proj)\.", r"local_block.attn.\1."),  # CvT block
+    (r"local_block\.norms\.([02])\.", lambda m: f"local_block.blocks.{int(m[1]) // 2}.norm1."),
+    (r"local_block\.norms\.([13])\.", lambda m: f"local_block.blocks.{int(m[1]) // 2}.norm2."),
+    (r"local_block\.mlps\.(\d)\.", r"local_block.blocks.\1.mlp."),
+    (r"local_block\.attns\.(\d)\.proj\.", r"local_block.blocks.\1.attn.proj."),
+    (r"local_block\.attns\.(\d)\.rel_pos_bias$",
+     r"local_block.blocks.\1.attn.rel_pos.relative_position_bias_table"),
+)  # fmt: skip
 
 
-def _per_stage(v: Any, n: int) -> list:
-    if isinstance(v, Sequence) and not isinstance(v, str):
-        if len(v) != n:
-            raise ValueError(f"{tuple(v)} must give one value for each of the {n} stages")
-        return list(v)
-    return [v] * n
+def _map_legacy_keys(state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
+    """Load hook: rename the keys of pre-core checkpoints (and split Swin's fused qkv)."""
+    for key in [k for k in state_dict if k.startswith(prefix + "local_block.")]:
+        rest = key[len(prefix) :]
+        fused = re.fullmatch(r"local_block\.attns\.(\d)\.qkv\.(weight|bias)", rest)
+        if fused:
+            qkv = state_dict.pop(key)
+            base = f"{prefix}local_block.blocks.{fused[1]}.attn"
+            c = qkv.shape[0] // 3
+            state_dict[f"{base}.q.{fused[2]}"] = qkv[:c]
+            state_dict[f"{base}.kv.{fused[2]}"] = qkv[c:]
+            continue
+        new = rest
+        for pattern, repl in _LEGACY_RENAMES:
+            new = re.sub(pattern, repl, new)
+        if new != rest:
+            state_dict[prefix + new] = state_dict.pop(key)
 
 
 # ---------------------------------------------------------------------------------------------
-# Registered configurations (SPEC.md section 1)
+# Registered configurations
 # ---------------------------------------------------------------------------------------------
 
 
@@ -743,13 +601,17 @@ def _cifar_cfg(params: float | None, **paper: Any) -> ModelConfig:
         mean=CIFAR_MEAN,
         std=CIFAR_STD,
         crop_pct=1.0,
+        first_conv="patch_embed",
         dataset="cifar10",
+        test_input_size=(3, 16, 16),
         paper=ref,
     )
 
 
 def _imagenet_cfg(params: float, **paper: Any) -> ModelConfig:
-    return ModelConfig(input_size=(3, 224, 224), paper={"params_m": params, **paper})
+    return ModelConfig(
+        input_size=(3, 224, 224), first_conv="patch_embed", paper={"params_m": params, **paper}
+    )
 
 
 _TINY_CIFAR = dict(
@@ -784,7 +646,7 @@ def lsa_tiny_224(**kwargs: Any) -> LocallyShiftedViT:
     """Tiny ImageNet model: 10 shifts, 9x9 stride-7 embedding (32x32 tokens), 4 heads.
 
     The paper's 3.1G FLOPs counted one of the T embedding convs; ``lgvit info`` reports the
-    measured MACs (SPEC.md).
+    measured MACs.
     """
     return _build(
         dict(
@@ -836,7 +698,7 @@ def lsa_tiny_cifar_d(**kwargs: Any) -> LocallyShiftedViT:
 def lsa_tiny_cifar_e(**kwargs: Any) -> LocallyShiftedViT:
     """Ablation E: conv per variant, one shared position embedding.
 
-    The paper lists 7.6M, which its own arithmetic does not give (SPEC.md); we report the
+    The paper lists 7.6M, which its own arithmetic does not give; we report the
     measured count (6.89M).
     """
     return _build({**_TINY_CIFAR, "pos_per_variant": False}, kwargs)

@@ -1,18 +1,23 @@
 """Model registry: ``@register_model``, ``create_model``, ``list_models``.
 
 The same shape as timm's registry, without its machinery: a registered function builds a model
-from keyword overrides, and carries a ``ModelConfig`` with the default input size, normalisation
-and the paper's reference numbers.
+from keyword overrides and carries a ``ModelConfig`` (timm's ``pretrained_cfg``: input size,
+normalisation, classifier name, and the paper's reference numbers). ``create_model`` takes
+timm's arguments: ``pretrained``, ``checkpoint_path``, ``features_only``, ``out_indices``.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
 import torch.nn as nn
+
+from lgvit.errors import LgvitError
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2471, 0.2435, 0.2616)
@@ -22,7 +27,10 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Defaults a registered model carries (what timm calls ``pretrained_cfg``)."""
+    """Defaults a registered model carries (what timm calls ``pretrained_cfg``).
+
+    ``test_input_size`` is the small input the contract tests run every model at.
+    """
 
     input_size: tuple[int, int, int] = (3, 224, 224)
     num_classes: int = 1000
@@ -30,7 +38,10 @@ class ModelConfig:
     std: tuple[float, float, float] = IMAGENET_STD
     crop_pct: float = 0.875
     interpolation: str = "bicubic"
+    first_conv: str = "patch_embed.proj"
+    classifier: str = "head"
     dataset: str = "imagenet"
+    test_input_size: tuple[int, int, int] = (3, 64, 64)
     paper: dict[str, Any] = field(default_factory=dict)  # reference numbers from the paper
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,18 +95,129 @@ def _check_name(name: str) -> None:
         raise ValueError(f"unknown model {name!r} (see `lgvit info` for the list){hint}")
 
 
-def create_model(name: str, num_classes: int | None = None, **overrides: Any) -> nn.Module:
-    """Build a registered model.
+def pretrained_cfg_for(
+    name: str, model: nn.Module, metadata: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """timm-style ``pretrained_cfg`` dict of a built model: the registered defaults, with the
+    model's real input size and class count, and -- for a model loaded from an lgvit
+    checkpoint -- the normalisation and class names it was trained with."""
+    cfg = _CONFIGS[name].to_dict()
+    img = getattr(model, "img_size", None)
+    if img is not None:
+        cfg["input_size"] = (getattr(model, "in_chans", 3), *img)
+    cfg["num_classes"] = getattr(model, "num_classes", cfg["num_classes"])
+    cfg["fixed_input_size"] = not getattr(model, "dynamic_img_size", False)
+    cfg["architecture"] = name
+    meta = metadata or {}
+    for key in ("mean", "std"):
+        if key in meta:
+            cfg[key] = tuple(json.loads(meta[key]))
+    if "classes" in meta:
+        cfg["label_names"] = json.loads(meta["classes"])
+    if "dataset" in meta:
+        cfg["dataset"] = meta["dataset"]
+    if meta.get("crop_pct"):
+        cfg["crop_pct"] = float(meta["crop_pct"])
+    return cfg
 
-    ``num_classes`` defaults to the model's config; any other keyword overrides an architecture
-    argument (``img_size=64``, ``drop_path_rate=0.2``, ...).
+
+def create_model(
+    name: str,
+    pretrained: bool = False,
+    num_classes: int | None = None,
+    *,
+    checkpoint_path: str | None = None,
+    features_only: bool = False,
+    out_indices: int | Sequence[int] | None = None,
+    **overrides: Any,
+) -> nn.Module:
+    """Build a registered model (timm's ``create_model``).
+
+    Args:
+        pretrained: lgvit downloads nothing; pretrained weights come from ``checkpoint_path``.
+        num_classes: the classifier size (default: the config's, or the checkpoint's).
+        checkpoint_path: weights to load: an lgvit checkpoint (``runs/x/best``, a
+            ``.safetensors``) or a ``.pth``/``.pt`` state dict -- including the authors'
+            released checkpoints, whose layout the family maps. Loaded with
+            ``weights_only=True``; a file that does not fit is an error naming the key.
+        features_only: return a module whose forward gives the list of feature maps
+            (``out_indices`` chooses which; default every stage), with ``feature_info``.
+        overrides: architecture arguments (``img_size=64``, ``drop_path_rate=0.2``, ...).
     """
     _check_name(name)
     cfg = _CONFIGS[name]
+    if pretrained and checkpoint_path is None:
+        raise LgvitError(
+            f"{name}: lgvit bundles and downloads no weights; pass checkpoint_path=FILE "
+            "(an lgvit checkpoint or the authors' released .pth)"
+        )
+    weights, meta = None, {}
+    if checkpoint_path is not None:
+        from lgvit.checkpoint import load_metadata, load_weights
+
+        weights = load_weights(checkpoint_path)
+        try:
+            meta = load_metadata(checkpoint_path)
+        except LgvitError:
+            meta = {}  # a plain .pt/.pth state dict carries no metadata
+        if "img_size" in meta:
+            overrides.setdefault("img_size", int(meta["img_size"]))
     if num_classes is not None:
         overrides["num_classes"] = num_classes
     overrides.setdefault("num_classes", cfg.num_classes)
     model = _MODELS[name](**overrides)
-    model.default_cfg = cfg
+    if weights is not None:
+        _load_checkpoint(model, weights, checkpoint_path, name, cfg, explicit=num_classes)
+    model.pretrained_cfg = pretrained_cfg_for(name, model, meta)
     model.model_name = name
+    if features_only:
+        return FeatureMaps(model, out_indices)
     return model
+
+
+def _load_checkpoint(
+    model: nn.Module,
+    weights: dict[str, torch.Tensor],
+    path: str,
+    name: str,
+    cfg: ModelConfig,
+    explicit: int | None,
+) -> None:
+    """Map (authors' layouts), fit the head, load strictly; errors are one line."""
+    filt = getattr(model, "checkpoint_filter_fn", None)
+    weights = filt(weights) if filt is not None else weights
+    head_w = weights.get(f"{cfg.classifier}.weight")
+    if head_w is not None and head_w.shape[0] != getattr(model, "num_classes", head_w.shape[0]):
+        if explicit is not None:
+            raise LgvitError(
+                f"{path} has a {head_w.shape[0]}-class head but num_classes={explicit} was asked"
+                " for; drop its head first or pass the checkpoint's class count"
+            )
+        model.reset_classifier(head_w.shape[0])
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        lines = [ln.strip() for ln in str(e).strip().splitlines()]
+        detail = next((ln for ln in lines[1:] if ln), lines[0])
+        raise LgvitError(f"{path} does not fit model {name}: {detail}") from None
+
+
+class FeatureMaps(nn.Module):
+    """``create_model(..., features_only=True)``: forward returns the list of feature maps
+    ``(B, C, H, W)`` of the stages in ``out_indices``; ``feature_info`` describes them. The
+    stages after the last one asked for, the final norm and the head are dropped."""
+
+    def __init__(self, model: nn.Module, out_indices: int | Sequence[int] | None = None) -> None:
+        super().__init__()
+        n = len(model.feature_info)
+        indices = list(range(n)) if out_indices is None else out_indices
+        self.out_indices = model.prune_intermediate_layers(indices, prune_norm=True)
+        info = type(model.feature_info)(model.feature_info[i] for i in self.out_indices)
+        self.feature_info = info
+        self.pretrained_cfg = getattr(model, "pretrained_cfg", {})
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return self.model.forward_intermediates(
+            x, self.out_indices, intermediates_only=True, stop_early=True
+        )

@@ -1,0 +1,242 @@
+"""The base every model stands on: a stem, a list of stages, a head -- and timm's interface.
+
+A family writes ``forward_stem(x) -> (tokens, grid)`` and builds ``self.stages`` (a
+``ModuleList`` whose entries are called ``stage(x, hw)`` and return ``(x, hw)`` -- a
+:class:`~lgvit.models.layers.Stage` -- or ``x`` -- a plain ViT's blocks, each its own feature
+level). It then calls :meth:`StagedViT.init_head`. The base owns everything a timm user calls:
+``forward_features``, ``forward_head``, ``forward_intermediates``,
+``prune_intermediate_layers``, ``feature_info``, ``reset_classifier``, ``get_classifier``,
+``no_weight_decay`` (by parameter-name patterns), ``group_matcher`` and
+``set_grad_checkpointing``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lgvit.models.layers import (
+    LN_EPS,
+    FeatureInfo,
+    Grid,
+    Stage,
+    feature_take_indices,
+    init_vit_weights,
+    num_prefix_tokens,
+    run_block,
+)
+
+POOLS = ("avg", "token", "")
+
+
+class StagedViT(nn.Module):
+    """Stem -> stages -> final norm -> pooled head.
+
+    Class attributes a family may set:
+        stages_attr: the attribute holding the stages (``"blocks"`` for plain ViTs).
+        stem_pattern: regex of the stem's parameter names, for :meth:`group_matcher`.
+        no_weight_decay_patterns: ``fnmatch`` patterns of parameter names kept out of weight
+            decay (position embeddings, class tokens, relative-position tables).
+        norm_intermediates: ``forward_intermediates(norm=True)`` normalises every feature
+            (plain ViTs, one width) rather than only the last (pyramids).
+    """
+
+    stages_attr = "stages"
+    stem_pattern = r"^(patch_embed|pos_embed|cls_token)"
+    no_weight_decay_patterns: tuple[str, ...] = (
+        "pos_embed", "*.pos_embed", "cls_token", "*.cls_token", "*relative_position_bias_table",
+    )  # fmt: skip
+    norm_intermediates = False
+
+    num_classes: int
+    num_features: int
+    global_pool: str
+    img_size: Grid
+    in_chans: int
+    feature_info: FeatureInfo
+    pretrained_cfg: dict[str, Any]
+
+    # -- what a family provides ------------------------------------------------------------
+
+    def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
+        raise NotImplementedError
+
+    def init_head(
+        self,
+        num_features: int,
+        num_classes: int,
+        global_pool: str = "avg",
+        drop_rate: float = 0.0,
+        norm_layer: type[nn.Module] | None = None,
+    ) -> None:
+        """Final norm, pooling (``avg`` over image tokens, ``token`` = the class token) and the
+        linear classifier (``num_classes=0``: none, the pooled features come out)."""
+        if global_pool not in POOLS:
+            raise ValueError(f"global_pool {global_pool!r} is not one of {POOLS}")
+        self.num_features = self.head_hidden_size = num_features
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.norm = (
+            norm_layer(num_features) if norm_layer else nn.LayerNorm(num_features, eps=LN_EPS)
+        )
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.grad_checkpointing = False
+        if not hasattr(self, "pretrained_cfg"):
+            self.pretrained_cfg = {}
+
+    # -- stages ----------------------------------------------------------------------------
+
+    def stage_list(self) -> nn.ModuleList:
+        return getattr(self, self.stages_attr)
+
+    def _run(self, stage: nn.Module, x: torch.Tensor, hw: Grid) -> tuple[torch.Tensor, Grid]:
+        if isinstance(stage, Stage):
+            return stage(x, hw)
+        return run_block(stage, x, hw, self.grad_checkpointing), hw
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Image -> final tokens ``(B, N, C)`` after the final norm."""
+        x, hw = self.forward_stem(x)
+        for stage in self.stage_list():
+            x, hw = self._run(stage, x, hw)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.global_pool == "token":
+            x = x[:, 0]
+        elif self.global_pool == "avg":
+            x = x[:, self.num_prefix_tokens :].mean(dim=1)
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Class tokens in front of the final stage's image tokens."""
+        stages = self.stage_list()
+        return getattr(stages[-1], "num_prefix_tokens", 0) if len(stages) else 0
+
+    # -- features --------------------------------------------------------------------------
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: int | Sequence[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Feature maps of the chosen stages (timm's signature).
+
+        ``indices``: None = every stage, an int n = the last n, a list = those. ``norm``
+        applies the final norm (to the last stage's map; to every map in a plain ViT).
+        ``stop_early`` skips the stages after the last one asked for. ``output_fmt`` ``NCHW``
+        or ``NHWC``. Returns ``(final_tokens, maps)``, or only ``maps`` when
+        ``intermediates_only``. Class tokens are not part of the maps.
+        """
+        if output_fmt not in ("NCHW", "NHWC"):
+            raise ValueError(f"output_fmt {output_fmt!r} is not NCHW or NHWC")
+        stages = self.stage_list()
+        take = feature_take_indices(len(stages), indices)
+        last = len(stages) - 1
+        run = stages[: max(take) + 1] if stop_early else stages
+        x, hw = self.forward_stem(x)
+        maps = []
+        for i, stage in enumerate(run):
+            x, hw = self._run(stage, x, hw)
+            if i in take:
+                t = self.norm(x) if norm and (self.norm_intermediates or i == last) else x
+                t = t[:, num_prefix_tokens(t, hw) :]
+                t = t.reshape(t.shape[0], hw[0], hw[1], -1)
+                maps.append(t if output_fmt == "NHWC" else t.permute(0, 3, 1, 2).contiguous())
+        if intermediates_only:
+            return maps
+        return self.norm(x), maps
+
+    def prune_intermediate_layers(
+        self,
+        indices: int | Sequence[int] = 1,
+        prune_norm: bool = False,
+        prune_head: bool = True,
+    ) -> list[int]:
+        """Drop the stages after the last one ``indices`` asks for (and the norm, the head)."""
+        stages = self.stage_list()
+        take = feature_take_indices(len(stages), indices)
+        setattr(self, self.stages_attr, stages[: max(take) + 1])
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take
+
+    # -- head ------------------------------------------------------------------------------
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        if global_pool is not None:
+            if global_pool not in POOLS:
+                raise ValueError(f"global_pool {global_pool!r} is not one of {POOLS}")
+            self.global_pool = global_pool
+        self.num_classes = num_classes
+        device = next(self.parameters()).device
+        self.head = (
+            nn.Linear(self.num_features, num_classes, device=device)
+            if num_classes > 0
+            else nn.Identity()
+        )
+        if num_classes > 0:
+            init_vit_weights(self.head)
+
+    # -- training helpers ------------------------------------------------------------------
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        """Parameters kept out of weight decay, by name pattern (norms and biases are 1-D and
+        skipped by the optimizer's grouping as well)."""
+        pats = self.no_weight_decay_patterns
+        return {n for n, _ in self.named_parameters() if any(fnmatch.fnmatch(n, p) for p in pats)}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """timm's parameter grouping (layer-wise lr decay): stem, one group per stage
+        (``coarse``) or per block, then the final norm; the head falls outside (last group)."""
+        s = self.stages_attr
+        if self.stages_attr == "blocks":
+            blocks: Any = [(rf"^{s}\.(\d+)", None), (r"^norm", (99999,))]
+        elif coarse:
+            blocks = [(rf"^{s}\.(\d+)", None), (r"^norm", (99999,))]
+        else:
+            blocks = [
+                (rf"^{s}\.(\d+)\.blocks\.(\d+)", None),
+                (rf"^{s}\.(\d+)\.(downsample|cls_token|pos_embed)", (0,)),
+                (r"^norm", (99999,)),
+            ]
+        return {"stem": self.stem_pattern, "blocks": blocks}
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Activation checkpointing per block: activations are recomputed in the backward pass
+        (less memory, ~1/3 more compute). BatchNorm statistics are not counted twice."""
+        self.grad_checkpointing = enable
+        for m in self.modules():
+            if isinstance(m, Stage):
+                m.grad_checkpointing = enable
+
+    @property
+    def default_cfg(self) -> dict[str, Any]:
+        return self.pretrained_cfg
+
+    def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Map a checkpoint in another layout (the authors' releases) to this model's keys.
+        lgvit's own checkpoints pass through unchanged."""
+        return state_dict

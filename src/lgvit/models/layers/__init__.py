@@ -1,0 +1,67 @@
+"""Blocks shared by the model families; one idea per module."""
+
+from lgvit.models.layers.attention import (
+    LN_EPS,
+    Attention,
+    RelativePositionBias,
+    multihead_sdpa,
+    relative_position_index,
+)
+from lgvit.models.layers.block import Block, default_norm
+from lgvit.models.layers.drop import DropPath, drop_path, drop_path_schedule
+from lgvit.models.layers.features import FeatureInfo, feature_take_indices
+from lgvit.models.layers.helpers import (
+    Grid,
+    contiguous_grad,
+    conv_out_size,
+    map_to_tokens,
+    num_prefix_tokens,
+    per_stage,
+    to_2tuple,
+    tokens_to_map,
+)
+from lgvit.models.layers.mlp import Mlp
+from lgvit.models.layers.pos_embed import (
+    grid_from_tokens,
+    register_resize_on_load,
+    resize_pos_embed,
+    resize_rel_pos_table,
+)
+from lgvit.models.layers.stage import Stage, frozen_norm_stats, run_block
+from lgvit.models.layers.weight_init import init_vit_weights, trunc_normal_
+from lgvit.models.layers.window import WindowAttention, shifted_window_mask
+
+__all__ = [
+    "LN_EPS",
+    "Attention",
+    "Block",
+    "DropPath",
+    "FeatureInfo",
+    "Grid",
+    "Mlp",
+    "RelativePositionBias",
+    "Stage",
+    "WindowAttention",
+    "contiguous_grad",
+    "conv_out_size",
+    "default_norm",
+    "drop_path",
+    "drop_path_schedule",
+    "feature_take_indices",
+    "frozen_norm_stats",
+    "grid_from_tokens",
+    "init_vit_weights",
+    "map_to_tokens",
+    "multihead_sdpa",
+    "num_prefix_tokens",
+    "per_stage",
+    "register_resize_on_load",
+    "relative_position_index",
+    "resize_pos_embed",
+    "resize_rel_pos_table",
+    "run_block",
+    "shifted_window_mask",
+    "to_2tuple",
+    "tokens_to_map",
+    "trunc_normal_",
+]

@@ -1,0 +1,163 @@
+"""Multi-head attention: one SDPA helper every attention uses, and one ``Attention`` module.
+
+``Attention`` covers the variants the three families need with keyword arguments:
+``kv_heads`` (grouped / multi-query keys and values, LSA's tiny CIFAR model), ``sr_ratio``
+(PVT's spatial-reduction attention: keys and values from a strided-conv-reduced map) and
+``rel_pos_grid`` (a learned relative-position bias over a token grid: Swin windows, LIT's whole
+stage map).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lgvit.models.layers.helpers import Grid, to_2tuple, tokens_to_map
+from lgvit.models.layers.pos_embed import grid_of_rel_table, resize_rel_pos_table
+from lgvit.models.layers.weight_init import trunc_normal_
+
+LN_EPS = 1e-6  # DeiT / the LSA authors' LayerNorm epsilon
+
+
+def multihead_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_heads: int,
+    kv_heads: int | None = None,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Softmax attention of ``q (B, N, H*d)`` over ``k, v (B, M, Hkv*d)`` -> ``(B, N, H*d)``.
+
+    Heads are the channel blocks (head h = channels ``h*d : (h+1)*d``). With fewer key/value
+    heads than query heads, the query heads that share one are stacked along the query length
+    (the grouped-query trick): one ``(g*N x M)`` attention per key/value head instead of ``g``
+    separate ones, with no copy of the keys and values. ``attn_mask`` is an additive bias
+    broadcastable to ``(B, H, N, M)``. Runs in ``F.scaled_dot_product_attention``.
+    """
+    B, N, _ = q.shape
+    M = k.shape[1]
+    kvh = kv_heads or num_heads
+    g = num_heads // kvh
+    d = q.shape[-1] // num_heads
+    q = q.view(B, N, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * N, d)
+    k = k.view(B, M, kvh, d).transpose(1, 2)
+    v = v.view(B, M, kvh, d).transpose(1, 2)
+    if attn_mask is not None:
+        mask = attn_mask.expand(*attn_mask.shape[:-3], num_heads, N, M)
+        attn_mask = mask.reshape(*mask.shape[:-3], kvh, g * N, M).to(q.dtype)
+    x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+    return x.view(B, kvh, g, N, d).permute(0, 3, 1, 2, 4).reshape(B, N, num_heads * d)
+
+
+class RelativePositionBias(nn.Module):
+    """Learned bias per head for every relative offset inside an ``H x W`` token grid.
+
+    The table has ``(2H-1)(2W-1)`` rows (Swin's layout); ``forward()`` gives the
+    ``(heads, H*W, H*W)`` bias. The index is rebuilt from the grid, not stored.
+    """
+
+    def __init__(self, grid: int | Grid, num_heads: int) -> None:
+        super().__init__()
+        self.grid = to_2tuple(grid)
+        H, W = self.grid
+        self.relative_position_bias_table = nn.Parameter(
+            torch.zeros((2 * H - 1) * (2 * W - 1), num_heads)
+        )
+        trunc_normal_(self.relative_position_bias_table, std=0.02)
+        self.register_buffer("relative_position_index", relative_position_index(H, W), False)
+        self._register_load_state_dict_pre_hook(self._resize_on_load)
+
+    def _resize_on_load(self, state_dict: dict, prefix: str, *args: object) -> None:
+        """A table trained for another grid (another input size) is resized, bicubic."""
+        key = prefix + "relative_position_bias_table"
+        old = state_dict.get(key)
+        table = self.relative_position_bias_table
+        if old is not None and old.shape[0] != table.shape[0] and old.shape[1:] == table.shape[1:]:
+            state_dict[key] = resize_rel_pos_table(
+                old, grid_of_rel_table(old.shape[0], self.grid), self.grid
+            )
+
+    def forward(self) -> torch.Tensor:
+        n = self.grid[0] * self.grid[1]
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
+        return bias.view(n, n, -1).permute(2, 0, 1)
+
+
+def relative_position_index(H: int, W: int) -> torch.Tensor:
+    """``(H*W, H*W)``: row of the relative-bias table for each (query, key) pair."""
+    coords = torch.stack(torch.meshgrid(torch.arange(H), torch.arange(W), indexing="ij")).flatten(1)
+    rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0)
+    return (rel[..., 0] + H - 1) * (2 * W - 1) + (rel[..., 1] + W - 1)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention over all tokens.
+
+    Args:
+        kv_heads: number of key/value heads: ``num_heads`` (default) is standard attention, 1 is
+            multi-query attention (one key/value head shared by every query head).
+        sr_ratio: PVT's spatial reduction: keys and values come from the map reduced by a
+            ``sr x sr`` stride-``sr`` conv + LayerNorm (``forward`` then needs the grid).
+        rel_pos_grid: add a learned relative-position bias over this token grid (the tokens
+            must then form exactly that grid).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        kv_heads: int | None = None,
+        qkv_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        sr_ratio: int = 1,
+        rel_pos_grid: int | Grid | None = None,
+        norm_layer: type[nn.Module] | None = None,
+    ) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        kv_heads = kv_heads or num_heads
+        if num_heads % kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not divisible by kv_heads {kv_heads}")
+        self.num_heads = num_heads
+        self.kv_heads = kv_heads
+        self.head_dim = dim // num_heads
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=qkv_bias)
+        self.attn_drop = attn_drop
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.sr_ratio = sr_ratio
+        if sr_ratio > 1:
+            self.sr = nn.Conv2d(dim, dim, sr_ratio, stride=sr_ratio)
+            self.norm = (norm_layer or _default_norm)(dim)
+        self.rel_pos = RelativePositionBias(rel_pos_grid, num_heads) if rel_pos_grid else None
+
+    def _keys_values(self, x: torch.Tensor, hw: Grid | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sr_ratio > 1:
+            if hw is None or x.shape[1] != hw[0] * hw[1]:
+                raise ValueError("spatial-reduction attention needs the image tokens' grid")
+            x = self.norm(self.sr(tokens_to_map(x, hw)).flatten(2).transpose(1, 2))
+        kv = self.kv(x)
+        c = self.kv_heads * self.head_dim
+        return kv[..., :c], kv[..., c:]
+
+    def forward(
+        self, x: torch.Tensor, hw: Grid | None = None, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        k, v = self._keys_values(x, hw)
+        if self.rel_pos is not None:
+            bias = self.rel_pos()
+            attn_mask = bias if attn_mask is None else attn_mask + bias
+        drop = self.attn_drop if self.training else 0.0
+        x = multihead_sdpa(self.q(x), k, v, self.num_heads, self.kv_heads, attn_mask, drop)
+        return self.proj_drop(self.proj(x))
+
+
+def _default_norm(dim: int) -> nn.Module:
+    return nn.LayerNorm(dim, eps=LN_EPS)

@@ -1,0 +1,42 @@
+"""Stochastic depth: ``DropPath`` and the linear-in-depth schedule."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+
+def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -> torch.Tensor:
+    """Stochastic depth per sample: zero the residual branch of whole samples."""
+    if drop_prob == 0.0 or not training:
+        return x
+    keep = 1.0 - drop_prob
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    mask = x.new_empty(shape).bernoulli_(keep)
+    return x * mask / keep
+
+
+class DropPath(nn.Module):
+    def __init__(self, drop_prob: float = 0.0) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return drop_path(x, self.drop_prob, self.training)
+
+    def extra_repr(self) -> str:
+        return f"drop_prob={self.drop_prob:.3f}"
+
+
+def drop_path_schedule(rate: float, depths: Sequence[int]) -> list[list[float]]:
+    """Drop-path rate of every block, rising linearly from 0 to ``rate`` over the whole depth,
+    split per stage (DeiT/Swin's ``linspace(0, rate, total)``)."""
+    total = sum(depths)
+    rates = [rate * i / max(total - 1, 1) for i in range(total)]
+    out, start = [], 0
+    for d in depths:
+        out.append(rates[start : start + d])
+        start += d
+    return out

@@ -1,0 +1,68 @@
+"""Small shape and argument helpers the blocks share."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+Grid = tuple[int, int]
+
+
+def to_2tuple(v: int | Sequence[int]) -> tuple[int, int]:
+    """``7 -> (7, 7)``; a pair stays a pair."""
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def per_stage(v: Any, n: int, what: str = "value") -> list:
+    """One value per stage: a scalar is repeated, a sequence must have ``n`` entries."""
+    if isinstance(v, Sequence) and not isinstance(v, str):
+        if len(v) != n:
+            raise ValueError(f"{what} {tuple(v)} must give one value for each of the {n} stages")
+        return list(v)
+    return [v] * n
+
+
+def conv_out_size(size: int, kernel: int, stride: int, padding: int) -> int:
+    return (size + 2 * padding - kernel) // stride + 1
+
+
+def tokens_to_map(x: torch.Tensor, hw: Grid) -> torch.Tensor:
+    """``(B, H*W, C)`` tokens -> ``(B, C, H, W)`` map (a view when it can be)."""
+    B, N, C = x.shape
+    if N != hw[0] * hw[1]:
+        raise ValueError(f"{N} tokens do not form the {hw[0]}x{hw[1]} grid")
+    return x.transpose(1, 2).reshape(B, C, hw[0], hw[1])
+
+
+def map_to_tokens(x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
+    """``(B, C, H, W)`` map -> ``(B, H*W, C)`` tokens and the grid."""
+    return x.flatten(2).transpose(1, 2), (x.shape[-2], x.shape[-1])
+
+
+def num_prefix_tokens(x: torch.Tensor, hw: Grid) -> int:
+    """Tokens ahead of the image grid (a class token): what is left over after ``H*W``."""
+    n = x.shape[1] - hw[0] * hw[1]
+    if n < 0:
+        raise ValueError(f"{x.shape[1]} tokens are fewer than the {hw[0]}x{hw[1]} grid")
+    return n
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def contiguous_grad(x: torch.Tensor) -> torch.Tensor:
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    A linear layer's backward with a permuted gradient runs ~2x slower on CPU than the copy
+    that makes it contiguous (measured: 1.24 s vs 0.61 s for a 1.2M x 192 -> 128 projection).
+    """
+    return _ContiguousGrad.apply(x)

@@ -1,0 +1,24 @@
+"""ViT/DeiT weight initialisation."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def trunc_normal_(tensor: torch.Tensor, std: float = 0.02) -> torch.Tensor:
+    """Truncated normal at +-2 std (ViT/DeiT initialisation)."""
+    return nn.init.trunc_normal_(tensor, mean=0.0, std=std, a=-2 * std, b=2 * std)
+
+
+def init_vit_weights(module: nn.Module) -> None:
+    """DeiT initialisation: trunc-normal(0.02) linear and conv weights, zero biases, unit norms."""
+    if isinstance(module, nn.Linear | nn.Conv2d):
+        trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm | nn.BatchNorm2d):
+        if module.weight is not None:
+            nn.init.ones_(module.weight)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)

@@ -1,0 +1,80 @@
+"""Swin's (shifted-)window attention: the shared :class:`Attention` inside each window."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lgvit.models.layers.attention import Attention
+from lgvit.models.layers.helpers import Grid
+
+
+def window_partition(x: torch.Tensor, hw: Grid, window: int) -> torch.Tensor:
+    """``(B, H*W, C)`` -> ``(B * nW, window*window, C)``, windows in row-major order."""
+    B, _, C = x.shape
+    H, W = hw
+    x = x.view(B, H // window, window, W // window, window, C).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(-1, window * window, C)
+
+
+def window_reverse(x: torch.Tensor, hw: Grid, window: int) -> torch.Tensor:
+    """Inverse of :func:`window_partition`."""
+    H, W = hw
+    C = x.shape[-1]
+    x = x.view(-1, H // window, W // window, window, window, C).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(-1, H * W, C)
+
+
+def shifted_window_mask(hw: Grid, window: int, shift: int) -> torch.Tensor:
+    """``(nW, w*w, w*w)`` additive mask: after the cyclic shift, tokens from different regions
+    of the map must not attend to each other inside one window (-100, as Swin)."""
+    H, W = hw
+    region = torch.zeros(H, W)
+    cnt = 0
+    for hs in (slice(0, -window), slice(-window, -shift), slice(-shift, None)):
+        for ws in (slice(0, -window), slice(-window, -shift), slice(-shift, None)):
+            region[hs, ws] = cnt
+            cnt += 1
+    r = window_partition(region.view(1, H * W, 1), hw, window)[..., 0]  # (nW, w*w)
+    return (r[:, None, :] != r[:, :, None]).float() * -100.0
+
+
+class WindowAttention(Attention):
+    """:class:`Attention` inside non-overlapping ``window x window`` windows, optionally
+    cyclically shifted by ``shift`` (Swin), with a relative-position bias over the window."""
+
+    def __init__(
+        self, dim: int, num_heads: int, *, window: int = 7, shift: int = 0, **kwargs: Any
+    ) -> None:
+        super().__init__(dim, num_heads, rel_pos_grid=window, **kwargs)
+        self.window = window
+        self.shift = shift
+        self._masks: dict[tuple[Grid, str], torch.Tensor] = {}
+
+    def _mask(self, hw: Grid, device: torch.device) -> torch.Tensor:
+        key = (tuple(hw), str(device))
+        if key not in self._masks:  # built once per grid and device, not per call
+            self._masks[key] = shifted_window_mask(hw, self.window, self.shift).to(device)
+        return self._masks[key]
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, hw: Grid, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        B, N, C = x.shape
+        H, W = hw
+        w, s = self.window, self.shift
+        if H % w or W % w:
+            raise ValueError(f"token grid {H}x{W} is not divisible by the window {w}")
+        if s:
+            x = torch.roll(x.view(B, H, W, C), (-s, -s), (1, 2)).view(B, N, C)
+        mask = None
+        if s:
+            # (B*nW, 1, w*w, w*w): one mask per window, shared by every sample and head.
+            m = self._mask(hw, x.device)
+            mask = m[None].expand(B, -1, -1, -1).reshape(-1, 1, w * w, w * w)
+        y = super().forward(window_partition(x, hw, w), attn_mask=mask)
+        y = window_reverse(y, hw, w)
+        if s:
+            y = torch.roll(y.view(B, H, W, C), (s, s), (1, 2)).view(B, N, C)
+        return y
