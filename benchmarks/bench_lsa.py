@@ -6,10 +6,14 @@ them alike; the table reports per-configuration medians and the speed-up ratios.
 
     python benchmarks/bench_lsa.py                      # ours only
     python benchmarks/bench_lsa.py --authors-repo /tmp/Locally-SAG-Transformer
+    python benchmarks/bench_lsa.py --baseline-src /tmp/lgvit_old/src   # before/after a change
 
 ``--authors-repo`` points to a checkout of github.com/shellysheynin/Locally-SAG-Transformer
 (it needs ``pip install einops``); their ``cifar/cifar_model.py`` model is built with the
 configuration of their ``main_tiny_cifar.py``. Nothing of theirs is part of lgvit.
+``--baseline-src`` points to the ``src`` folder of another lgvit checkout (``git worktree add
+/tmp/lgvit_old <commit>``): the same model from that code runs in the second process, so a
+change is measured against what came before it, alternating in one run.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import resource
 import statistics
 import sys
@@ -104,13 +109,14 @@ class LocalRunner:
         return time.perf_counter() - t0
 
 
-def _authors_worker(conn, repo: str, threads: int, tuned_malloc: bool) -> None:
-    """A separate process for the authors' model, so it runs with its own runtime defaults."""
+def _authors_worker(conn, repo: str, threads: int, tuned_malloc: bool, model_name: str) -> None:
+    """A separate process for the other model (the authors', or lgvit from another source tree
+    -- then ``repo`` is empty and PYTHONPATH points there), with its own runtime defaults."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     if tuned_malloc:
         tune_cpu_allocator()
-    model = build_authors_model(repo)
+    model = build_authors_model(repo) if repo else lgvit.create_model(model_name)
     conn.send(count_params(model))
     steps: dict[tuple, Callable[[], None]] = {}
     while True:
@@ -130,13 +136,24 @@ def _authors_worker(conn, repo: str, threads: int, tuned_malloc: bool) -> None:
 
 
 class AuthorsRunner:
-    def __init__(self, repo: str, threads: int, tuned_malloc: bool) -> None:
+    def __init__(
+        self, repo: str, threads: int, tuned_malloc: bool, baseline_src: str = "", model: str = ""
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=_authors_worker, args=(child, repo, threads, tuned_malloc), daemon=True
+            target=_authors_worker, args=(child, repo, threads, tuned_malloc, model), daemon=True
         )
-        self.proc.start()
+        saved = os.environ.get("PYTHONPATH")
+        if baseline_src:  # the child imports lgvit from there (spawn starts a fresh interpreter)
+            os.environ["PYTHONPATH"] = baseline_src
+        try:
+            self.proc.start()
+        finally:
+            if baseline_src:
+                os.environ.pop("PYTHONPATH") if saved is None else os.environ.update(
+                    PYTHONPATH=saved
+                )
         self.params = self.conn.recv()
 
     def prepare(self, key: tuple, batch: int, train: bool, bf16: bool) -> None:
@@ -161,6 +178,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (alternating)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--authors-repo", default=None)
+    ap.add_argument("--baseline-src", default=None, help="another lgvit checkout's src/ folder")
     ap.add_argument("--modes", nargs="+", default=["infer", "train"])
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument(
@@ -182,14 +200,22 @@ def main() -> None:
     ours = lgvit.create_model(args.model)
     macs = count_macs(ours, (3, 32, 32))
     authors = None
+    if args.authors_repo and args.baseline_src:
+        sys.exit("bench_lsa: give --authors-repo or --baseline-src, not both")
+    other = "authors" if args.authors_repo else "baseline"
     if args.authors_repo:
         authors = AuthorsRunner(args.authors_repo, args.threads, args.authors_tuned_malloc)
+    elif args.baseline_src:
+        authors = AuthorsRunner(
+            "", args.threads, not args.default_malloc, args.baseline_src, args.model
+        )
+    other_tuned = args.authors_tuned_malloc or (args.baseline_src and not args.default_malloc)
     print(
         f"threads {args.threads}, torch {torch.__version__}, model {args.model}: "
         f"{count_params(ours) / 1e6:.2f}M params, {macs / 1e9:.2f} GMACs/img (ours); "
         f"allocator: lgvit {'default' if args.default_malloc else 'tuned'}"
         + (
-            f", authors {'tuned' if args.authors_tuned_malloc else 'default'} "
+            f", {other} {'tuned' if other_tuned else 'default'} "
             f"({authors.params / 1e6:.2f}M params, separate process)"
             if authors
             else ""
@@ -206,7 +232,7 @@ def main() -> None:
         flush=True,
     )
 
-    impls = ["lgvit"] + (["authors"] if authors else [])
+    impls = ["lgvit"] + ([other] if authors else [])
     configs = []
     for bs in args.batch_sizes:
         for mode in args.modes:
@@ -237,7 +263,14 @@ def main() -> None:
         mfu = flops / peaks[prec]
         rows.append(dict(impl=impl, mode=mode, prec=prec, batch=bs, img_s=ips, mfu=mfu))
         print(f"{impl:8s} {mode:5s} {prec:4s} {bs:5d} {ips:8.1f} {100 * mfu:5.1f}%")
-    if authors:
+    if authors and other == "baseline":
+        print(f"\nlgvit ({lgvit.__file__}) over the baseline ({args.baseline_src}), same setting:")
+        for c in configs:
+            if c[0] == "lgvit":
+                b = (other, *c[1:])
+                ratio = statistics.median(times[b]) / statistics.median(times[c])
+                print(f"  {c[1]:5s} {c[2]:4s} batch {c[3]:3d}: {ratio:5.2f}x")
+    elif authors:
         print("\nspeed-up of lgvit bf16 (our default) over the authors' fp32, same batch:")
         for bs in args.batch_sizes:
             for mode in args.modes:
@@ -255,7 +288,7 @@ def main() -> None:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(
         f"\npeak RSS: lgvit process {rss:.1f} GB"
-        + (f", authors' process {authors.close():.1f} GB" if authors else "")
+        + (f", {other}'s process {authors.close():.1f} GB" if authors else "")
         + " (all configurations of each together)"
     )
     if args.json:

@@ -25,7 +25,6 @@ PAPER_PARAMS = {
     "lsa_tiny_cifar_c": 6.8,
     "lsa_tiny_cifar_d": 10.1,
 }
-ALL = lgvit.list_models()
 
 
 def meta_model(name: str, **kw):
@@ -61,24 +60,6 @@ def test_macs_match_spec():
     for name, want in (("lsa_tiny_224", 3.62), ("lsa_small_224", 7.70)):
         got = count_macs(meta_model(name), (3, 224, 224)) / 1e9
         assert abs(got - want) / want < 0.01, f"{name}: {got:.3f}G"
-
-
-@pytest.mark.parametrize("name", ALL)
-def test_forward_backward_every_model(name):
-    torch.manual_seed(0)
-    # Small inputs keep this fast; ImageNet configs run at 64px (img_size override).
-    small = {"img_size": 64} if "224" in name else {}
-    if name in ("lsa_small_cifar", "lsa_base_cifar"):
-        small["depths"] = (2, 1, 1, 1)  # same blocks, fewer of them: keeps the test fast
-    m = lgvit.create_model(name, num_classes=7, **small)
-    size = m.img_size
-    x = torch.randn(2, 3, *size)
-    y = m(x)
-    assert y.shape == (2, 7)
-    y.logsumexp(-1).sum().backward()
-    grads = [p.grad for p in m.parameters() if p.requires_grad]
-    assert all(g is not None for g in grads), "a parameter got no gradient"
-    assert all(torch.isfinite(g).all() for g in grads)
 
 
 @pytest.mark.parametrize("name", ["lsa_tiny_cifar", "lsa_tiny_cifar_d", "lsa_micro_cifar"])

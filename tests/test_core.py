@@ -1,0 +1,351 @@
+"""The shared model core: layers against direct computations, and timm's interface."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import lgvit
+from lgvit.checkpoint import save_checkpoint
+from lgvit.errors import LgvitError
+from lgvit.inference import load_model
+from lgvit.models.layers import (
+    Attention,
+    Block,
+    Mlp,
+    RelativePositionBias,
+    Stage,
+    WindowAttention,
+    drop_path_schedule,
+    feature_take_indices,
+    resize_pos_embed,
+    resize_rel_pos_table,
+)
+
+LEGACY = Path(__file__).parent / "fixtures" / "lsa_legacy"
+
+
+def _reference_attention(q, k, v, heads, bias=None):
+    """softmax(q k^T / sqrt(d) + bias) v per head, written out."""
+    B, N, C = q.shape
+    d = C // heads
+    q = q.view(B, N, heads, d).transpose(1, 2)
+    k = k.view(B, k.shape[1], heads, d).transpose(1, 2)
+    v = v.view(B, v.shape[1], heads, d).transpose(1, 2)
+    a = q @ k.transpose(-1, -2) / math.sqrt(d)
+    if bias is not None:
+        a = a + bias
+    return (a.softmax(-1) @ v).transpose(1, 2).reshape(B, N, C)
+
+
+# ------------------------------------------------------------------------------ layers
+
+
+def test_spatial_reduction_attention_matches_reference():
+    torch.manual_seed(0)
+    att = Attention(16, 2, sr_ratio=2).eval()
+    x = torch.randn(2, 6 * 4, 16)
+    m = x.transpose(1, 2).reshape(2, 16, 6, 4)
+    red = att.norm(att.sr(m).flatten(2).transpose(1, 2))  # (2, 3*2, 16)
+    k, v = att.kv(red).split(16, dim=-1)
+    ref = att.proj(_reference_attention(att.q(x), k, v, 2))
+    torch.testing.assert_close(att(x, (6, 4)), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="grid"):
+        att(x)
+
+
+def test_relative_position_bias_matches_explicit_offsets():
+    torch.manual_seed(0)
+    H, W, heads = 3, 4, 2
+    rpb = RelativePositionBias((H, W), heads)
+    table = rpb.relative_position_bias_table
+    bias = rpb()
+    for i in range(H * W):
+        for j in range(H * W):
+            dy = i // W - j // W
+            dx = i % W - j % W
+            row = (dy + H - 1) * (2 * W - 1) + (dx + W - 1)
+            torch.testing.assert_close(bias[:, i, j], table[row])
+    att = Attention(8, heads, rel_pos_grid=(H, W)).eval()
+    x = torch.randn(2, H * W, 8)
+    k, v = att.kv(x).split(8, dim=-1)
+    ref = att.proj(_reference_attention(att.q(x), k, v, heads, att.rel_pos()))
+    torch.testing.assert_close(att(x, (H, W)), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_relative_table_resized_on_load():
+    torch.manual_seed(0)
+    small, big = RelativePositionBias(4, 2), RelativePositionBias(6, 2)
+    big.load_state_dict(small.state_dict())
+    want = resize_rel_pos_table(small.relative_position_bias_table.detach(), (4, 4), (6, 6))
+    torch.testing.assert_close(big.relative_position_bias_table.detach(), want)
+    assert want.shape == (11 * 11, 2)
+
+
+def test_window_attention_matches_per_window_reference_and_caches_mask():
+    torch.manual_seed(0)
+    H = W = 8
+    w, s, heads, C = 4, 2, 2, 8
+    att = WindowAttention(C, heads, window=w, shift=s).eval()
+    x = torch.randn(2, H * W, C)
+    out = att(x, (H, W))
+    # Reference: roll, then for every window attend among its tokens, masking tokens that came
+    # from different regions of the un-rolled map; roll back.
+    xr = torch.roll(x.view(2, H, W, C), (-s, -s), (1, 2))
+    region = torch.zeros(H, W, dtype=torch.long)
+    for a, hs in enumerate((slice(0, -w), slice(-w, -s), slice(-s, None))):
+        for b, ws in enumerate((slice(0, -w), slice(-w, -s), slice(-s, None))):
+            region[hs, ws] = 3 * a + b
+    ref = torch.empty_like(xr)
+    bias = att.rel_pos()
+    for i in range(0, H, w):
+        for j in range(0, W, w):
+            t = xr[:, i : i + w, j : j + w].reshape(2, w * w, C)
+            r = region[i : i + w, j : j + w].reshape(-1)
+            mask = (r[:, None] != r[None, :]).float() * -100.0
+            k, v = att.kv(t).split(C, dim=-1)
+            y = att.proj(_reference_attention(att.q(t), k, v, heads, bias + mask))
+            ref[:, i : i + w, j : j + w] = y.view(2, w, w, C)
+    ref = torch.roll(ref, (s, s), (1, 2)).reshape(2, H * W, C)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert att._mask((H, W), x.device) is att._mask((H, W), x.device)  # built once
+
+
+def test_mlp_only_block_and_feed_forward_without_norm():
+    torch.manual_seed(0)
+    blk = Block(8, attn_layer=None, mlp_ratio=2)
+    assert blk.attn is None
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(blk(x), x + blk.mlp(blk.norm2(x)))
+
+    class GridFeedForward(Mlp):
+        pre_norm = False
+        drop_path = False
+
+        def forward(self, x, hw=None):
+            assert hw == (1, 5)
+            return super().forward(x)
+
+    blk = Block(8, 2, mlp_layer=GridFeedForward, drop_path=0.5).train()
+    assert isinstance(blk.norm2, nn.Identity) and isinstance(blk.drop_path2, nn.Identity)
+    blk(x, (1, 5))
+
+
+def test_resize_pos_embed_keeps_prefix_tokens():
+    pos = torch.randn(1 + 16, 4)
+    out = resize_pos_embed(pos, (4, 4), (8, 6), num_prefix_tokens=1, mode="bilinear")
+    assert out.shape == (1 + 48, 4)
+    torch.testing.assert_close(out[0], pos[0])
+    grid = pos[1:].reshape(1, 4, 4, 4).permute(0, 3, 1, 2)
+    want = F.interpolate(grid, size=(8, 6), mode="bilinear", align_corners=False)
+    torch.testing.assert_close(out[1:], want.permute(0, 2, 3, 1).reshape(48, 4))
+
+
+def test_feature_indices_and_drop_path_schedule():
+    assert feature_take_indices(4) == [0, 1, 2, 3]
+    assert feature_take_indices(4, 2) == [2, 3]
+    assert feature_take_indices(4, [0, -1]) == [0, 3]
+    for bad in ([4], [-5], 5, 0):
+        with pytest.raises(ValueError, match="out of range|asks for"):
+            feature_take_indices(4, bad)
+    sched = drop_path_schedule(0.3, [1, 2, 1])
+    assert [len(s) for s in sched] == [1, 2, 1]
+    assert sched[0][0] == 0.0 and sched[-1][-1] == pytest.approx(0.3)
+
+
+class _BatchNormBlock(nn.Module):
+    """A block with BatchNorm inside, called (x, hw) like every block."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.bn = nn.BatchNorm1d(dim)
+
+    def forward(self, x, hw=None):
+        return x + self.bn(self.fc(x).transpose(1, 2)).transpose(1, 2)
+
+
+def test_checkpointing_counts_batchnorm_statistics_once():
+    torch.manual_seed(0)
+    stages = []
+    for enable in (False, True):
+        torch.manual_seed(0)
+        st = Stage([_BatchNormBlock(6), _BatchNormBlock(6)]).train()
+        st.grad_checkpointing = enable
+        x = torch.randn(4, 5, 6, requires_grad=True)
+        st(x, (1, 5))[0].sum().backward()
+        stages.append(st)
+    for a, b in zip(stages[0].modules(), stages[1].modules(), strict=True):
+        if isinstance(a, nn.BatchNorm1d):
+            torch.testing.assert_close(b.running_mean, a.running_mean)
+            torch.testing.assert_close(b.running_var, a.running_var)
+            assert a.num_batches_tracked == b.num_batches_tracked == 1
+
+
+def test_grad_checkpointing_keeps_fewer_activations():
+    def saved_bytes(model, x):
+        seen, total = set(), [0]
+
+        def pack(t):
+            key = (t.untyped_storage().data_ptr(), t.dtype)
+            if key not in seen:
+                seen.add(key)
+                total[0] += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x).sum().backward()
+        return total[0]
+
+    torch.manual_seed(0)
+    m = lgvit.create_model("lsa_micro_cifar").train()
+    x = torch.randn(8, 3, 32, 32)
+    plain = saved_bytes(m, x)
+    m.set_grad_checkpointing(True)
+    ckpt = saved_bytes(m, x)
+    assert ckpt < 0.8 * plain, (ckpt, plain)
+
+
+# ------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoints_from_before_the_core_load_with_identical_outputs():
+    # Made by lgvit 0.1 (before the shared core): small configurations of every LSA variant,
+    # with their outputs on a fixed input.
+    expected = load_file(LEGACY / "expected.safetensors")
+    names = [k for k in expected if k != "input"]
+    assert len(names) == 6
+    for name in names:
+        path = LEGACY / f"{name}.safetensors"
+        with safe_open(str(path), "pt") as f:
+            kwargs = json.loads(f.metadata()["kwargs"])
+        m = lgvit.create_model(name, num_classes=5, **kwargs).eval()
+        res = m.load_state_dict(load_file(path))
+        assert not res.missing_keys and not res.unexpected_keys
+        with torch.no_grad():
+            y = m(expected["input"])
+        torch.testing.assert_close(y, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_create_model_checkpoint_path_carries_normalisation(tmp_path):
+    torch.manual_seed(0)
+    m = lgvit.create_model("lsa_micro_cifar", num_classes=3, img_size=16).eval()
+    meta = {
+        "model": "lsa_micro_cifar", "img_size": "16", "classes": json.dumps(["a", "b", "c"]),
+        "mean": json.dumps([0.5, 0.5, 0.5]), "std": json.dumps([0.5, 0.5, 0.5]),
+    }  # fmt: skip
+    save_checkpoint(tmp_path / "best", m.state_dict(), {"step": 0}, metadata=meta)
+    loaded = lgvit.create_model("lsa_micro_cifar", checkpoint_path=str(tmp_path / "best"))
+    cfg = loaded.pretrained_cfg
+    assert cfg["mean"] == (0.5, 0.5, 0.5) and cfg["label_names"] == ["a", "b", "c"]
+    assert cfg["input_size"] == (3, 16, 16) and cfg["num_classes"] == 3
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(x), m(x))
+    ready = load_model(str(tmp_path / "best"), device="cpu")
+    assert not ready.training and ready.pretrained_cfg["std"] == (0.5, 0.5, 0.5)
+    with pytest.raises(LgvitError, match="bundles and downloads no weights"):
+        lgvit.create_model("lsa_micro_cifar", pretrained=True)
+    with pytest.raises(LgvitError, match="3-class head"):
+        lgvit.create_model("lsa_micro_cifar", num_classes=10, checkpoint_path=str(tmp_path / "best"))
+    torch.save({"model": {"nope": torch.zeros(1)}}, tmp_path / "bad.pth")
+    with pytest.raises(LgvitError, match=r"bad.pth does not fit model lsa_micro_cifar"):
+        lgvit.create_model("lsa_micro_cifar", checkpoint_path=str(tmp_path / "bad.pth"))
+    with pytest.raises(LgvitError, match="no model name"):
+        load_model(str(tmp_path / "bad.pth"))
+    if not torch.cuda.is_available():
+        with pytest.raises(LgvitError, match="CUDA is not available"):
+            load_model(str(tmp_path / "best"), device="cuda")
+
+
+# ------------------------------------------------------------------- timm's interface
+
+
+def test_forward_intermediates_full_signature():
+    torch.manual_seed(0)
+    m = lgvit.create_model("lsa_micro_cifar").eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        final, maps = m.forward_intermediates(x)
+        assert [tuple(f.shape) for f in maps] == [(2, 64, 16, 16), (2, 128, 8, 8), (2, 160, 4, 4)]
+        nhwc = m.forward_intermediates(x, indices=[0, -1], output_fmt="NHWC", intermediates_only=True)
+        torch.testing.assert_close(nhwc[0], maps[0].permute(0, 2, 3, 1))
+        early = m.forward_intermediates(x, indices=[1], stop_early=True, intermediates_only=True)
+        torch.testing.assert_close(early[0], maps[1])
+        normed = m.forward_intermediates(x, indices=1, norm=True, intermediates_only=True)
+        want = m.norm(maps[-1].flatten(2).transpose(1, 2)).transpose(1, 2).reshape(2, 160, 4, 4)
+        torch.testing.assert_close(normed[0], want)
+    with pytest.raises(ValueError, match="out of range"):
+        m.forward_intermediates(x, indices=[3])
+    with pytest.raises(ValueError, match="output_fmt"):
+        m.forward_intermediates(x, output_fmt="NCWH")
+
+
+def test_prune_intermediate_layers():
+    torch.manual_seed(0)
+    m = lgvit.create_model("lsa_micro_cifar").eval()
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        want = m.forward_intermediates(x, indices=[1], intermediates_only=True)
+    assert m.prune_intermediate_layers([1], prune_norm=True) == [1]
+    assert len(m.stages) == 2 and isinstance(m.head, nn.Identity)
+    with torch.no_grad():
+        got = m.forward_intermediates(x, indices=[1], intermediates_only=True)
+    torch.testing.assert_close(got[0], want[0])
+
+
+def _groups(model, matcher):
+    """timm's group_parameters, restated: each parameter's ordinal from the first matching
+    regex (its captured numbers + the rule's suffix); the stem is group 0; unmatched go last."""
+    import re
+
+    rules = [(re.compile(matcher["stem"]), (0,))]
+    blocks = matcher["blocks"]
+    blocks = [(blocks, None)] if isinstance(blocks, str) else blocks
+    rules += [(re.compile(p), suffix) for p, suffix in blocks]
+    ordinals = {}
+    for name, _ in model.named_parameters():
+        for i, (rx, suffix) in enumerate(rules):
+            hit = rx.match(name)
+            if hit:
+                nums = tuple(float(g) for g in hit.groups() if g and g.isdigit())
+                ordinals[name] = (0,) if i == 0 else (1, *nums, *(suffix or ()))
+                break
+        else:
+            ordinals[name] = (math.inf,)
+    order = sorted(set(ordinals.values()))
+    return {n: order.index(o) for n, o in ordinals.items()}
+
+
+def test_group_matcher_gives_layer_wise_groups():
+    m = lgvit.create_model("lsa_micro_cifar")
+    fine = _groups(m, m.group_matcher())
+    coarse = _groups(m, m.group_matcher(coarse=True))
+    assert fine["patch_embed.weight"] == 0 and fine["local_block.attn.q.weight"] == 0
+    # stem, 5 blocks (1 + 2 + 2; stage 2 and 3 downsample share their first block's group),
+    # final norm, head.
+    assert len(set(fine.values())) == 1 + 5 + 1 + 1
+    assert len(set(coarse.values())) == 1 + 3 + 1 + 1
+    assert fine["stages.0.blocks.0.attn.q.weight"] < fine["stages.2.blocks.1.mlp.fc2.weight"]
+    assert fine["head.weight"] == max(fine.values())
+
+
+def test_timm_reads_our_models():
+    timm = pytest.importorskip("timm", reason="timm is not installed (reference venv only)")
+    from timm.data import resolve_data_config
+    from timm.optim import param_groups_layer_decay
+
+    m = lgvit.create_model("lsa_micro_cifar")
+    cfg = resolve_data_config(model=m)
+    assert cfg["input_size"] == (3, 32, 32) and cfg["mean"] == lgvit.models.lsa.CIFAR_MEAN
+    groups = param_groups_layer_decay(m, weight_decay=0.05, layer_decay=0.75)
+    assert len(groups) > 4, [g.get("lr_scale") for g in groups]
+    assert timm.__version__
