@@ -1,6 +1,6 @@
 """Registered model families; importing this module registers them all."""
 
-from lgvit.models import lsa  # noqa: F401  (registers the LSA family)
+from lgvit.models import lsa, pvt, swin, vit  # noqa: F401  (register the families)
 from lgvit.models.base import StagedViT
 from lgvit.models.registry import (
     FeatureMaps,

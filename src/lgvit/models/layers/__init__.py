@@ -20,7 +20,9 @@ from lgvit.models.layers.helpers import (
     to_2tuple,
     tokens_to_map,
 )
+from lgvit.models.layers.merge import PatchMerging
 from lgvit.models.layers.mlp import Mlp
+from lgvit.models.layers.patch_embed import PatchEmbed
 from lgvit.models.layers.pos_embed import (
     grid_from_tokens,
     register_resize_on_load,
@@ -39,6 +41,8 @@ __all__ = [
     "FeatureInfo",
     "Grid",
     "Mlp",
+    "PatchEmbed",
+    "PatchMerging",
     "RelativePositionBias",
     "Stage",
     "WindowAttention",

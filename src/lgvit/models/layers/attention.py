@@ -80,10 +80,15 @@ class RelativePositionBias(nn.Module):
                 old, grid_of_rel_table(old.shape[0], self.grid), self.grid
             )
 
-    def forward(self) -> torch.Tensor:
-        n = self.grid[0] * self.grid[1]
-        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
-        return bias.view(n, n, -1).permute(2, 0, 1)
+    def forward(self, hw: Grid | None = None) -> torch.Tensor:
+        """``(heads, N, N)`` bias for the built grid, or for ``hw`` (another input size): then
+        the table is resized, bicubic, on the fly."""
+        table, index = self.relative_position_bias_table, self.relative_position_index
+        if hw is not None and tuple(hw) != self.grid:
+            table = resize_rel_pos_table(table, self.grid, hw)
+            index = relative_position_index(*hw).to(table.device)
+        n = index.shape[0]
+        return table[index.view(-1)].view(n, n, -1).permute(2, 0, 1)
 
 
 def relative_position_index(H: int, W: int) -> torch.Tensor:
@@ -152,7 +157,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         k, v = self._keys_values(x, hw)
         if self.rel_pos is not None:
-            bias = self.rel_pos()
+            bias = self.rel_pos(hw)
             attn_mask = bias if attn_mask is None else attn_mask + bias
         drop = self.attn_drop if self.training else 0.0
         x = multihead_sdpa(self.q(x), k, v, self.num_heads, self.kv_heads, attn_mask, drop)
