@@ -130,7 +130,7 @@ class PyramidVisionTransformer(StagedViT):
             dict(num_chs=embed_dims[i], reduction=patch_size * 2**i, module=f"stages.{i}")
             for i in range(n)
         )
-        self.apply(init_vit_weights)
+        self.apply(partial(init_vit_weights, conv=False))
 
     def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
         if x.ndim != 4 or x.shape[1] != self.in_chans:

@@ -10,6 +10,7 @@ sinusoidal position embedding (T2T-ViT).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -123,7 +124,7 @@ class VisionTransformer(StagedViT):
         self.feature_info = FeatureInfo(
             dict(num_chs=embed_dim, reduction=stride, module=f"blocks.{i}") for i in range(depth)
         )
-        self.apply(init_vit_weights)
+        self.apply(partial(init_vit_weights, conv=False))
         if learned_pos:
             trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:

@@ -20,6 +20,11 @@ from lgvit.models.layers.helpers import (
     to_2tuple,
     tokens_to_map,
 )
+from lgvit.models.layers.locality import (
+    EfficientChannelAttention,
+    LocalityFeedForward,
+    SqueezeExcite,
+)
 from lgvit.models.layers.merge import PatchMerging
 from lgvit.models.layers.mlp import Mlp
 from lgvit.models.layers.patch_embed import PatchEmbed
@@ -38,12 +43,15 @@ __all__ = [
     "Attention",
     "Block",
     "DropPath",
+    "EfficientChannelAttention",
     "FeatureInfo",
+    "LocalityFeedForward",
     "Grid",
     "Mlp",
     "PatchEmbed",
     "PatchMerging",
     "RelativePositionBias",
+    "SqueezeExcite",
     "Stage",
     "WindowAttention",
     "contiguous_grad",

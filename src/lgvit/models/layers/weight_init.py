@@ -11,9 +11,12 @@ def trunc_normal_(tensor: torch.Tensor, std: float = 0.02) -> torch.Tensor:
     return nn.init.trunc_normal_(tensor, mean=0.0, std=std, a=-2 * std, b=2 * std)
 
 
-def init_vit_weights(module: nn.Module) -> None:
-    """DeiT initialisation: trunc-normal(0.02) linear and conv weights, zero biases, unit norms."""
-    if isinstance(module, nn.Linear | nn.Conv2d):
+def init_vit_weights(module: nn.Module, conv: bool = True) -> None:
+    """ViT initialisation: trunc-normal(0.02) linear (and, with ``conv``, conv) weights, zero
+    biases, unit norms. ``conv=False`` is timm's ViT/DeiT, PVT and Swin init: convolutions keep
+    PyTorch's default."""
+    kinds = (nn.Linear, nn.Conv2d) if conv else (nn.Linear,)
+    if isinstance(module, kinds):
         trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:
             nn.init.zeros_(module.bias)

@@ -1,0 +1,134 @@
+"""LocalViT's locality feed-forward: the transformer MLP as 1x1 conv -> depth-wise 3x3 -> 1x1
+conv on the token grid, with BatchNorm, an activation and optional channel attention.
+
+Li, Zhang, Timofte, Van Gool, Cao, "LocalViT: Bringing Locality to Vision Transformers".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lgvit.models.layers.helpers import Grid, num_prefix_tokens, tokens_to_map
+from lgvit.models.layers.weight_init import trunc_normal_
+
+ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "relu6": nn.ReLU6,
+    "hswish": nn.Hardswish,  # x * relu6(x + 3) / 6, the authors' h_swish
+    "gelu": nn.GELU,
+}
+
+
+class SqueezeExcite(nn.Module):
+    """avg-pool -> Linear(C, C // reduction) -> ReLU -> Linear -> h-sigmoid -> scale.
+
+    ``reduction`` divides the channel count it is given (the EXPANDED width gC inside the
+    locality feed-forward), as the authors' code does: reduction 192 at 768 channels is a
+    4-wide bottleneck.
+    """
+
+    def __init__(self, channels: int, reduction: int = 4) -> None:
+        super().__init__()
+        hidden = max(channels // reduction, 1)
+        self.fc = nn.Sequential(
+            nn.Linear(channels, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, channels),
+            nn.Hardsigmoid(),
+        )  # fmt: skip
+        for m in self.fc:
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.fc(x.mean((2, 3))).to(x.dtype)[:, :, None, None]
+
+
+class EfficientChannelAttention(nn.Module):
+    """ECA: avg-pool -> 1-D conv across channels (kernel from the channel count, no bias) ->
+    sigmoid (or h-sigmoid) -> scale."""
+
+    def __init__(self, channels: int, hard_sigmoid: bool = False, gamma: int = 2, b: int = 1):
+        super().__init__()
+        t = int(abs((math.log2(channels) + b) / gamma))
+        k = t if t % 2 else t + 1  # 5 at 768 channels
+        self.conv = nn.Conv1d(1, 1, k, padding=k // 2, bias=False)
+        self.gate = nn.Hardsigmoid() if hard_sigmoid else nn.Sigmoid()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x.mean((2, 3))[:, None, :])  # (B, 1, C)
+        return x * self.gate(y)[:, 0, :, None, None]
+
+
+class LocalityFeedForward(nn.Module):
+    """1x1 conv C -> gC (no bias) -> BN -> act -> depth-wise 3x3 (no bias) -> BN -> act ->
+    [channel attention] -> 1x1 conv gC -> C (no bias) -> BN, on the image tokens' grid.
+
+    A drop-in ``mlp_layer`` of :class:`Block` (``hidden_features`` = g x C): there is no
+    LayerNorm before it (``pre_norm = False``) and no drop path on its branch (``drop_path =
+    False``); class tokens in front of the grid skip it (their update is zero).
+
+    Args:
+        act: ``relu6``, ``hswish`` or ``gelu`` (after the expansion and the depth-wise conv).
+        channel_attn: ``None``, ``"se"``, ``"eca"`` (sigmoid) or ``"eca_hs"`` (h-sigmoid).
+        reduction: SE bottleneck = gC // reduction.
+        depthwise: the depth-wise 3x3 conv (Table 1's "no DW" rows drop it).
+    """
+
+    pre_norm = False
+    drop_path = False
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        act: str = "hswish",
+        channel_attn: str | None = "se",
+        reduction: int = 4,
+        depthwise: bool = True,
+        **_: Any,  # the Block's act_layer / drop: this feed-forward has its own
+    ) -> None:
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"act {act!r} is not one of {sorted(ACTIVATIONS)}")
+        c, h = in_features, hidden_features
+        self.expand = nn.Conv2d(c, h, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(h)
+        self.act1 = ACTIVATIONS[act]()
+        self.dwconv = nn.Conv2d(h, h, 3, padding=1, groups=h, bias=False) if depthwise else None
+        self.bn2 = nn.BatchNorm2d(h) if depthwise else None
+        self.act2 = ACTIVATIONS[act]() if depthwise else None
+        if channel_attn is None:
+            self.attn = None
+        elif channel_attn == "se":
+            self.attn = SqueezeExcite(h, reduction)
+        elif channel_attn in ("eca", "eca_hs"):
+            self.attn = EfficientChannelAttention(h, hard_sigmoid=channel_attn == "eca_hs")
+        else:
+            raise ValueError(f"channel_attn {channel_attn!r}: one of None, 'se', 'eca', 'eca_hs'")
+        self.project = nn.Conv2d(h, c, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(c)
+
+    def layers(self) -> list[nn.Module]:
+        """The layers in order (the authors' ``nn.Sequential`` order)."""
+        seq = [self.expand, self.bn1, self.act1]
+        if self.dwconv is not None:
+            seq += [self.dwconv, self.bn2, self.act2]
+        if self.attn is not None:
+            seq.append(self.attn)
+        return seq + [self.project, self.bn3]
+
+    def forward_map(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, C, H, W) -> (B, C, H, W)``: the branch, without the residual."""
+        for layer in self.layers():
+            x = layer(x)
+        return x
+
+    def forward(self, x: torch.Tensor, hw: Grid) -> torch.Tensor:
+        p = num_prefix_tokens(x, hw)
+        y = self.forward_map(tokens_to_map(x[:, p:], hw)).flatten(2).transpose(1, 2)
+        if p:
+            y = torch.cat([y.new_zeros(y.shape[0], p, y.shape[2]), y], dim=1)
+        return y
