@@ -88,6 +88,8 @@ class TrainConfig:
     # model EMA
     ema: bool = False
     ema_decay: float = 0.99996
+    # LIT: the deformable merging's offset weights train at this factor x lr
+    offset_lr_factor: float = 0.01
     # run
     amp: str = "auto"  # auto | bf16 | fp16 | none
     compile: bool = False
@@ -389,6 +391,7 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
     positive("time_limit_min", optional=True)
     positive("opt_eps")
     positive("crop_pct")
+    positive("offset_lr_factor")
     for key in ("max_bad_fraction", "mixup_switch_prob", "mixup_prob", "reprob", "drop_path"):
         unit(key)
     unit("label_smoothing", upper_open=True)

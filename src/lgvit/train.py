@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lgvit.checkpoint import (
+    atomic_save_safetensors,
     atomic_write_bytes,
     build_train_state,
     checkpoint_paths,
@@ -140,18 +141,35 @@ def lr_at(
     return cfg.min_lr + 0.5 * (base_lr - cfg.min_lr) * (1 + math.cos(math.pi * min(t, 1.0)))
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on weights only: not on position embeddings, norms or biases (DeiT)."""
+def param_groups(
+    model: nn.Module, weight_decay: float, offset_lr_factor: float = 1.0
+) -> list[dict[str, Any]]:
+    """Weight decay on weights only: not on position embeddings, norms or biases (DeiT).
+
+    Sampling-offset weights (``*offset_conv.weight``, LIT's deformable token merging) train at
+    ``offset_lr_factor`` x the learning rate, with weight decay, as the LIT authors' code does;
+    their biases stay at the full rate without decay. ``lr_scale`` carries the factor.
+    """
     skip = set(getattr(model, "no_weight_decay", set)())
-    decay, no_decay = [], []
+    decay, no_decay, offsets = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim <= 1 or name in skip else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        if name.endswith("offset_conv.weight"):
+            offsets.append(p)
+        elif p.ndim <= 1 or name in skip:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "lr_scale": 1.0},
+        {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
     ]
+    if offsets:
+        groups.append(
+            {"params": offsets, "weight_decay": weight_decay, "lr_scale": offset_lr_factor}
+        )
+    return groups
 
 
 class ModelEma:
@@ -292,7 +310,7 @@ def train_one_epoch(
     for i, (x, y) in enumerate(loader):
         lr = lr_at(step, **schedule)
         for g in optimizer.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
         x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
         with autocast(d.device, amp):
             logits = model(x)
@@ -449,8 +467,9 @@ def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -
 
     base_lr = scaled_lr(cfg, world)
     fused = {"fused": True} if d.device.type in ("cpu", "cuda") else {}
+    groups = param_groups(model, cfg.weight_decay, cfg.offset_lr_factor)
     optimizer = torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=base_lr, betas=tuple(cfg.opt_betas),
+        groups, lr=base_lr, betas=tuple(cfg.opt_betas),
         eps=cfg.opt_eps, **fused,
     )  # fmt: skip
     scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 else None
@@ -578,6 +597,8 @@ def _save(
     save_checkpoint(out / "last", weights, state, metadata=meta)
     if is_best:
         save_checkpoint(out / "best", weights, state, metadata=meta)
+    if ema is not None:  # the EMA weights on their own: `lgvit eval --checkpoint <out>/last_ema`
+        atomic_save_safetensors(state_dict_to_cpu(ema.shadow), out / "last_ema.safetensors", meta)
 
 
 def _fault_injection(epoch: int) -> None:

@@ -1,6 +1,10 @@
 """Registered model families; importing this module registers them all."""
 
-from lgvit.models import lsa, pvt, swin, vit  # noqa: F401  (register the families)
+# Importing a family module registers its models; one line each.
+from lgvit.models import lsa  # noqa: F401, I001
+from lgvit.models import vit  # noqa: F401
+from lgvit.models import pvt  # noqa: F401
+from lgvit.models import swin  # noqa: F401
 from lgvit.models.base import StagedViT
 from lgvit.models.registry import (
     FeatureMaps,
