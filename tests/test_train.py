@@ -79,7 +79,8 @@ def test_no_weight_decay_on_pos_embed_norms_biases():
 
 def test_train_eval_predict_plot(tmp_path):
     run = tmp_path / "run"
-    p = lgvit("train", *FAST, "--data", "synthetic", "--epochs", "2", "--out", str(run))
+    p = lgvit("train", *FAST, "--data", "synthetic", "--epochs", "2", "--out", str(run),
+              "--set", "ema=true", "--set", "ema_decay=0.9")  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     assert "global batch 32" in p.stdout
     rows = metrics(run)
@@ -97,6 +98,15 @@ def test_train_eval_predict_plot(tmp_path):
     res = json.loads(ev.stdout)
     assert res["count"] == 128 and len(res["per_class_acc"]) == 10
     assert res["acc1"] == pytest.approx(rows[-1]["test_acc1"], abs=1e-3)
+    # The EMA weights are a checkpoint of their own (lgvit evaluates the EMA model each epoch).
+    ema = lgvit("eval", "--checkpoint", str(run / "last_ema"), "--data", "synthetic", "--json",
+                "--device", "cpu")  # fmt: skip
+    assert ema.returncode == 0, ema.stderr
+    assert json.loads(ema.stdout)["acc1"] == pytest.approx(rows[-1]["test_ema_acc1"], abs=1e-3)
+    one_line_error(
+        lgvit("eval", "--checkpoint", str(run / "last"), "--data", "synthetic", "--device", "tpu"),
+        "--device",
+    )
 
     # Evaluating at another input size resizes the position embeddings.
     ev32 = lgvit("eval", "--checkpoint", str(run / "last"), "--data", "synthetic",
