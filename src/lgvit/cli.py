@@ -52,8 +52,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         )
     print(
         "MACs: FlopCounterMode total / 2 (matmuls, convs, attention) at the default input size,\n"
-        "batch 1. The paper's ImageNet FLOPs count only one of the T embedding convs, so they\n"
-        "undercount (SPEC.md section 1)."
+        "batch 1. The LSA paper's ImageNet FLOPs count only one of the T embedding convs, so\n"
+        "they undercount."
     )
     return 0
 

@@ -1,4 +1,4 @@
-"""Measuring models the way the paper tables do: params, MACs, throughput (SPEC.md section 4)."""
+"""Measuring models the way the paper tables do: params, MACs, throughput."""
 
 from __future__ import annotations
 

@@ -372,8 +372,8 @@ class ConvDownsample(nn.Module):
 class LocalBlockSpec:
     """What stands first in stage 1, and what it needs from the embedding.
 
-    ``build(dim, heads, kv_heads, block_kwargs)`` makes the block; ``shifted`` blocks are called
-    ``block(x0, variants, hw)`` on the T shifted variants, the others ``block(x0, hw)`` on the
+    ``build(dim, heads, kv_heads, block_kwargs, window)`` makes the block; ``shifted`` blocks are
+    called ``block(x0, variants, hw)`` on the T shifted variants, the others ``block(x0, hw)`` on the
     unshifted image only; ``embed`` makes the embedding; ``pos_embed``: whether a stage-1
     position embedding is learned (CvT's convolutional embedding carries position itself).
     """
@@ -386,19 +386,19 @@ class LocalBlockSpec:
 
 LOCAL_BLOCKS: dict[str, LocalBlockSpec] = {
     # The paper: local attention over the shifted variants.
-    "shift": LocalBlockSpec(lambda d, h, kvh, kw: LocalShiftBlock(d, h, kvh, **kw), True),
+    "shift": LocalBlockSpec(lambda d, h, kvh, kw, win: LocalShiftBlock(d, h, kvh, **kw), True),
     # Ablation A: no shifts; a global block stands where the local block was.
     "global": LocalBlockSpec(
-        lambda d, h, kvh, kw: Block(d, h, attn_layer=partial(Attention, kv_heads=kvh), **kw)
-    ),  # fmt: skip
-    # Table 6, variant I: a Swin block pair (8x8 windows, shift 4).
-    "swin": LocalBlockSpec(lambda d, h, kvh, kw: SwinLocalBlock(d, h, **kw)),
+        lambda d, h, kvh, kw, win: Block(d, h, attn_layer=partial(Attention, kv_heads=kvh), **kw)
+    ),
+    # Table 6, variant I: a Swin block pair (windows of `swin_window`, shifted by half).
+    "swin": LocalBlockSpec(lambda d, h, kvh, kw, win: SwinLocalBlock(d, h, win, **kw)),
     # Table 6, variant II: CvT's convolutional embedding and attention.
     "cvt": LocalBlockSpec(
-        lambda d, h, kvh, kw: Block(d, h, attn_layer=ConvProjectionAttention, **kw),
+        lambda d, h, kvh, kw, win: Block(d, h, attn_layer=ConvProjectionAttention, **kw),
         embed=ConvTokenEmbedding,
         pos_embed=False,
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -485,9 +485,7 @@ class LocallyShiftedViT(StagedViT):
             mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate, attn_drop=attn_drop_rate
         )
         local_kwargs = dict(block_kwargs, drop_path=dpr[0][0])
-        if local_block == "swin":
-            local_kwargs["window"] = swin_window
-        self.local_block = spec.build(dims[0], num_heads[0], kv_heads[0], local_kwargs)
+        self.local_block = spec.build(dims[0], num_heads[0], kv_heads[0], local_kwargs, swin_window)
 
         # Stages: stage 1 holds the rest of its blocks; later stages downsample first.
         def block(i: int, rate: float) -> Block:
