@@ -372,9 +372,9 @@ class ConvDownsample(nn.Module):
 class LocalBlockSpec:
     """What stands first in stage 1, and what it needs from the embedding.
 
-    ``build(dim, heads, kv_heads, block_kwargs, window)`` makes the block; ``shifted`` blocks are
-    called ``block(x0, variants, hw)`` on the T shifted variants, the others ``block(x0, hw)`` on the
-    unshifted image only; ``embed`` makes the embedding; ``pos_embed``: whether a stage-1
+    ``build(dim, heads, kv_heads, block_kwargs, window)`` makes the block; ``shifted`` blocks
+    are called ``block(x0, variants, hw)`` on the T shifted variants, the others
+    ``block(x0, hw)`` on the unshifted image only; ``embed`` makes the embedding; ``pos_embed``: whether a stage-1
     position embedding is learned (CvT's convolutional embedding carries position itself).
     """
 
