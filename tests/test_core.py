@@ -255,7 +255,9 @@ def test_create_model_checkpoint_path_carries_normalisation(tmp_path):
     with pytest.raises(LgvitError, match="bundles and downloads no weights"):
         lgvit.create_model("lsa_micro_cifar", pretrained=True)
     with pytest.raises(LgvitError, match="3-class head"):
-        lgvit.create_model("lsa_micro_cifar", num_classes=10, checkpoint_path=str(tmp_path / "best"))
+        lgvit.create_model(
+            "lsa_micro_cifar", num_classes=10, checkpoint_path=str(tmp_path / "best")
+        )
     torch.save({"model": {"nope": torch.zeros(1)}}, tmp_path / "bad.pth")
     with pytest.raises(LgvitError, match=r"bad.pth does not fit model lsa_micro_cifar"):
         lgvit.create_model("lsa_micro_cifar", checkpoint_path=str(tmp_path / "bad.pth"))
@@ -276,7 +278,9 @@ def test_forward_intermediates_full_signature():
     with torch.no_grad():
         final, maps = m.forward_intermediates(x)
         assert [tuple(f.shape) for f in maps] == [(2, 64, 16, 16), (2, 128, 8, 8), (2, 160, 4, 4)]
-        nhwc = m.forward_intermediates(x, indices=[0, -1], output_fmt="NHWC", intermediates_only=True)
+        nhwc = m.forward_intermediates(
+            x, indices=[0, -1], output_fmt="NHWC", intermediates_only=True
+        )
         torch.testing.assert_close(nhwc[0], maps[0].permute(0, 2, 3, 1))
         early = m.forward_intermediates(x, indices=[1], stop_early=True, intermediates_only=True)
         torch.testing.assert_close(early[0], maps[1])

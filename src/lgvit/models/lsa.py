@@ -374,8 +374,9 @@ class LocalBlockSpec:
 
     ``build(dim, heads, kv_heads, block_kwargs, window)`` makes the block; ``shifted`` blocks
     are called ``block(x0, variants, hw)`` on the T shifted variants, the others
-    ``block(x0, hw)`` on the unshifted image only; ``embed`` makes the embedding; ``pos_embed``: whether a stage-1
-    position embedding is learned (CvT's convolutional embedding carries position itself).
+    ``block(x0, hw)`` on the unshifted image only; ``embed`` makes the embedding;
+    ``pos_embed``: whether a stage-1 position embedding is learned (CvT's convolutional
+    embedding carries position itself).
     """
 
     build: Callable[..., nn.Module]
