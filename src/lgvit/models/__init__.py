@@ -5,6 +5,7 @@ from lgvit.models import lsa  # noqa: F401, I001
 from lgvit.models import vit  # noqa: F401
 from lgvit.models import pvt  # noqa: F401
 from lgvit.models import swin  # noqa: F401
+from lgvit.models import localvit  # noqa: F401
 from lgvit.models.base import StagedViT
 from lgvit.models.registry import (
     FeatureMaps,

@@ -16,6 +16,13 @@ from lgvit.models.layers.mlp import Mlp
 default_norm = partial(nn.LayerNorm, eps=LN_EPS)
 
 
+def _unwrap(factory: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """The class behind ``functools.partial`` layers (their class attributes count)."""
+    while isinstance(factory, partial):
+        factory = factory.func
+    return factory
+
+
 class Block(nn.Module):
     """Pre-norm block: ``x + MSA(LN(x))``, then ``x + FFN(LN(x))``; ``forward(x, hw)``.
 
@@ -56,9 +63,10 @@ class Block(nn.Module):
             self.drop_path1 = DropPath(drop_path)
         else:
             self.attn = None
-        self.norm2 = norm_layer(dim) if getattr(mlp_layer, "pre_norm", True) else nn.Identity()
+        mlp_cls = _unwrap(mlp_layer)
+        self.norm2 = norm_layer(dim) if getattr(mlp_cls, "pre_norm", True) else nn.Identity()
         self.mlp = mlp_layer(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=drop)
-        mlp_drop_path = getattr(mlp_layer, "drop_path", True)
+        mlp_drop_path = getattr(mlp_cls, "drop_path", True)
         self.drop_path2 = DropPath(drop_path) if mlp_drop_path else nn.Identity()
 
     def forward(self, x: torch.Tensor, hw: Grid | None = None) -> torch.Tensor:

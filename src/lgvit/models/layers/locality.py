@@ -74,6 +74,8 @@ class LocalityFeedForward(nn.Module):
         act: ``relu6``, ``hswish`` or ``gelu`` (after the expansion and the depth-wise conv).
         channel_attn: ``None``, ``"se"``, ``"eca"`` (sigmoid) or ``"eca_hs"`` (h-sigmoid).
         reduction: SE bottleneck = gC // reduction.
+        reduction_from_dim: if given, ``reduction = int(C * reduction_from_dim)`` instead (the
+            authors' PVT uses the stage width, 1.0; their Swin a quarter of it, 0.25).
         depthwise: the depth-wise 3x3 conv (Table 1's "no DW" rows drop it).
     """
 
@@ -88,12 +90,15 @@ class LocalityFeedForward(nn.Module):
         channel_attn: str | None = "se",
         reduction: int = 4,
         depthwise: bool = True,
+        reduction_from_dim: float | None = None,
         **_: Any,  # the Block's act_layer / drop: this feed-forward has its own
     ) -> None:
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(f"act {act!r} is not one of {sorted(ACTIVATIONS)}")
         c, h = in_features, hidden_features
+        if reduction_from_dim is not None:
+            reduction = max(int(c * reduction_from_dim), 1)
         self.expand = nn.Conv2d(c, h, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(h)
         self.act1 = ACTIVATIONS[act]()
