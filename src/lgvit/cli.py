@@ -44,10 +44,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     for r in rows:
         p = r["paper"]
         top1 = p.get("cifar10_top1") or p.get("imagenet_top1")
+        paper_params = p.get("params_m") or p.get("params_int_m")  # whole millions in some tables
         where = "C10" if p.get("cifar10_top1") else "IN1k" if top1 else ""
         print(
             f"{r['name']:28s} {r['input_size'][1]:>4d}px {r['params_m']:9.2f} "
-            f"{_fmt(p.get('params_m')):>7s} {r['macs_g']:8.2f} {_fmt(p.get('macs_g')):>6s} "
+            f"{_fmt(paper_params):>7s} {r['macs_g']:8.2f} {_fmt(p.get('macs_g')):>6s} "
             f"{(_fmt(top1) + ' ' + where) if top1 else '-':>12s}"
         )
     print(

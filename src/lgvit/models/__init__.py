@@ -6,6 +6,7 @@ from lgvit.models import vit  # noqa: F401
 from lgvit.models import pvt  # noqa: F401
 from lgvit.models import swin  # noqa: F401
 from lgvit.models import localvit  # noqa: F401
+from lgvit.models import lit  # noqa: F401
 from lgvit.models.base import StagedViT
 from lgvit.models.registry import (
     FeatureMaps,

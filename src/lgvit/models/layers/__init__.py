@@ -8,6 +8,7 @@ from lgvit.models.layers.attention import (
     relative_position_index,
 )
 from lgvit.models.layers.block import Block, default_norm
+from lgvit.models.layers.deform import DeformableTokenMerging, DeformConv2d, deform_conv2d
 from lgvit.models.layers.drop import DropPath, drop_path, drop_path_schedule
 from lgvit.models.layers.features import FeatureInfo, feature_take_indices
 from lgvit.models.layers.helpers import (
@@ -42,6 +43,8 @@ __all__ = [
     "LN_EPS",
     "Attention",
     "Block",
+    "DeformConv2d",
+    "DeformableTokenMerging",
     "DropPath",
     "EfficientChannelAttention",
     "FeatureInfo",
@@ -57,6 +60,7 @@ __all__ = [
     "contiguous_grad",
     "conv_out_size",
     "default_norm",
+    "deform_conv2d",
     "drop_path",
     "drop_path_schedule",
     "feature_take_indices",

@@ -1,0 +1,143 @@
+"""Deformable convolution (DCNv1) in pure PyTorch, and LIT's deformable token merging.
+
+Sampling follows ``torchvision.ops.deform_conv2d``: output position ``p0``, tap ``k`` reads the
+input at ``p0 * stride - padding + tap_k * dilation + offset_k``, bilinear, zero outside the
+map; the offset channels are ``(dy, dx)`` per tap, taps row-major. Here that is one
+``grid_sample`` building a "tap image" (every output position's k x k samples laid out as a
+k x k patch), then a k x k stride-k convolution of it: exact, differentiable in the input,
+the offsets and the weights, and it runs on any device. The sampling runs in float32 (under
+autocast too, as the LIT authors' CUDA kernel did); the convolution in the autocast dtype. On
+CUDA, ``torchvision.ops.deform_conv2d`` is used when torchvision imports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lgvit.models.layers.helpers import Grid, map_to_tokens, to_2tuple, tokens_to_map
+
+
+@functools.cache
+def _torchvision_deform_conv2d():  # noqa: ANN202 - optional dependency
+    try:
+        from torchvision.ops import deform_conv2d
+    except Exception:  # not installed, or built for another torch: the pure path is used
+        return None
+    return deform_conv2d
+
+
+def deform_conv2d(
+    x: torch.Tensor,
+    offset: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: int | Grid = 1,
+    padding: int | Grid = 0,
+    dilation: int | Grid = 1,
+    use_torchvision: bool | None = None,
+) -> torch.Tensor:
+    """DCNv1: ``x (B, C, H, W)``, ``offset (B, 2*kh*kw, Ho, Wo)``, ``weight (O, C, kh, kw)``.
+
+    ``use_torchvision``: None = torchvision's kernel on CUDA when it imports, else this
+    module's pure-PyTorch one; True/False forces either.
+    """
+    B, C, H, W = x.shape
+    O, Cw, kh, kw = weight.shape
+    if Cw != C:
+        raise ValueError(f"weight expects {Cw} input channels, the input has {C}")
+    sh, sw = to_2tuple(stride)
+    ph, pw = to_2tuple(padding)
+    dh, dw = to_2tuple(dilation)
+    Ho = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    Wo = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    if offset.shape != (B, 2 * kh * kw, Ho, Wo):
+        raise ValueError(f"offset {tuple(offset.shape)} should be {(B, 2 * kh * kw, Ho, Wo)}")
+    tv = _torchvision_deform_conv2d() if use_torchvision is not False else None
+    if tv is not None and (use_torchvision or x.is_cuda):
+        return tv(x, offset, weight, bias, (sh, sw), (ph, pw), (dh, dw))
+
+    work = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 if given
+    amp = x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
+    with torch.autocast(x.device.type, enabled=False) if amp else contextlib.nullcontext():
+        off = offset.to(work).view(B, kh, kw, 2, Ho, Wo)
+        rows = torch.arange(Ho, device=x.device, dtype=work) * sh - ph
+        cols = torch.arange(Wo, device=x.device, dtype=work) * sw - pw
+        ty = torch.arange(kh, device=x.device, dtype=work) * dh
+        tx = torch.arange(kw, device=x.device, dtype=work) * dw
+        # Sample positions (B, Ho, kh, Wo, kw): output row i, tap ky sits at tap-image row i*kh+ky.
+        py = (
+            rows[:, None, None, None]
+            + ty[None, :, None, None]
+            + off[:, :, :, 0].permute(0, 3, 1, 4, 2)
+        )
+        px = (
+            cols[None, None, :, None]
+            + tx[None, None, None, :]
+            + off[:, :, :, 1].permute(0, 3, 1, 4, 2)
+        )
+        # Pixel -> grid_sample coordinates with align_corners=False: its pixel centres are at
+        # (2p + 1) / size - 1, which stays defined for maps one pixel wide.
+        grid = torch.stack([(2 * px + 1) / W - 1, (2 * py + 1) / H - 1], dim=-1)
+        grid = grid.reshape(B, Ho * kh, Wo * kw, 2)
+        taps = F.grid_sample(
+            x.to(work), grid, mode="bilinear", padding_mode="zeros", align_corners=False
+        )
+    taps = taps if amp else taps.to(x.dtype)  # under autocast the conv casts it itself
+    return F.conv2d(taps, weight, bias, stride=(kh, kw))
+
+
+class DeformConv2d(nn.Module):
+    """A DCNv1 convolution's parameters (``weight``, ``bias``, initialised as ``nn.Conv2d``);
+    ``forward(x, offset)``."""
+
+    def __init__(
+        self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
+        padding: int = 0, bias: bool = True,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        k = to_2tuple(kernel_size)
+        self.stride, self.padding = to_2tuple(stride), to_2tuple(padding)
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels, *k))
+        self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(in_channels * k[0] * k[1])
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        return deform_conv2d(x, offset, self.weight, self.bias, self.stride, self.padding)
+
+
+class DeformableTokenMerging(nn.Module):
+    """LIT's deformable token merging: offsets from a ``k x k`` stride-``k`` conv (zero-
+    initialised, so it starts as plain ``k x k`` patch merging) -> deformable ``k x k``
+    stride-``k`` conv (C_in -> C_out) -> BatchNorm -> GELU. ``forward(x, hw) -> (x, hw)``.
+
+    The offset conv's weight trains at a fraction of the learning rate (``offset_lr_factor``
+    in the training config; its name ``offset_conv`` is how the optimizer finds it).
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, kernel_size: int = 2) -> None:
+        super().__init__()
+        k = kernel_size
+        self.offset_conv = nn.Conv2d(in_dim, 2 * k * k, k, stride=k)
+        nn.init.zeros_(self.offset_conv.weight)
+        nn.init.zeros_(self.offset_conv.bias)
+        self.conv = DeformConv2d(in_dim, out_dim, k, stride=k)
+        self.norm = nn.BatchNorm2d(out_dim)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor, hw: Grid) -> tuple[torch.Tensor, Grid]:
+        m = tokens_to_map(x, hw)
+        y = self.conv(m, self.offset_conv(m))
+        return map_to_tokens(self.act(self.norm(y)))
+
+    def offsets(self, x: torch.Tensor, hw: Grid) -> torch.Tensor:
+        """The sampling offsets ``(B, 2*k*k, Ho, Wo)`` it would use (for visualisation)."""
+        return self.offset_conv(tokens_to_map(x, hw))
