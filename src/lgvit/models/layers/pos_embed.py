@@ -65,12 +65,11 @@ def resize_rel_pos_table(table: torch.Tensor, old_grid: Grid, new_grid: Grid) ->
 
 
 def grid_of_rel_table(rows: int, like: Grid) -> Grid:
-    """The grid a table of ``rows`` rows was made for, with ``like``'s aspect ratio (square
-    when ``like`` is square)."""
-    if like[0] == like[1]:
-        side = math.isqrt(rows)
-        if side * side != rows or side % 2 == 0:
-            raise ValueError(f"a relative-position table of {rows} rows is not (2H-1)^2")
+    """The grid a table of ``rows`` rows was made for: square when ``rows`` is an odd square
+    (checkpoints are trained on square inputs), else the factorisation with ``like``'s aspect
+    ratio."""
+    side = math.isqrt(rows)
+    if side * side == rows and side % 2:
         return (side + 1) // 2, (side + 1) // 2
     for h in range(1, rows + 1):
         if rows % (2 * h - 1) == 0:

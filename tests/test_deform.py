@@ -1,0 +1,129 @@
+"""The pure-PyTorch deformable convolution against a direct per-position reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lgvit.models.layers import DeformableTokenMerging, deform_conv2d
+
+
+def _bilinear(img: torch.Tensor, y: float, x: float) -> torch.Tensor:
+    """torchvision's DCN sampling: zero outside (-1, size), bilinear with zero corners."""
+    C, H, W = img.shape
+    out = torch.zeros(C, dtype=img.dtype)
+    if y <= -1 or y >= H or x <= -1 or x >= W:
+        return out
+    y0, x0 = math.floor(y), math.floor(x)
+    for yy, wy in ((y0, 1 - (y - y0)), (y0 + 1, y - y0)):
+        for xx, wx in ((x0, 1 - (x - x0)), (x0 + 1, x - x0)):
+            if 0 <= yy < H and 0 <= xx < W:
+                out = out + wy * wx * img[:, yy, xx]
+    return out
+
+
+def reference_deform_conv2d(x, offset, weight, bias, stride, padding):
+    """DCNv1 written out: one output position and one tap at a time."""
+    B, C, H, W = x.shape
+    O, _, kh, kw = weight.shape
+    Ho, Wo = offset.shape[-2:]
+    out = torch.zeros(B, O, Ho, Wo, dtype=x.dtype)
+    for b in range(B):
+        for i in range(Ho):
+            for j in range(Wo):
+                acc = bias.clone()
+                for ky in range(kh):
+                    for kx in range(kw):
+                        k = ky * kw + kx
+                        y = i * stride - padding + ky + offset[b, 2 * k, i, j].item()
+                        xx = j * stride - padding + kx + offset[b, 2 * k + 1, i, j].item()
+                        acc = acc + weight[:, :, ky, kx] @ _bilinear(x[b], y, xx)
+                out[b, :, i, j] = acc
+    return out
+
+
+CASES = [  # (B, C, H, W, kernel, stride, padding)
+    (3, 2, 6, 5, 2, 2, 0),  # DTM's shape, odd batch, odd width
+    (5, 3, 4, 4, 3, 1, 1),  # 3x3 with padding
+    (1, 2, 1, 6, 2, 1, 1),  # a map one pixel high
+    (2, 1, 5, 1, 2, 2, 1),  # a map one pixel wide
+]
+
+
+@pytest.mark.parametrize("B, C, H, W, k, s, p", CASES)
+def test_matches_per_position_reference(B, C, H, W, k, s, p):
+    g = torch.Generator().manual_seed(B * 100 + H)
+    x = torch.randn(B, C, H, W, generator=g, dtype=torch.float64)
+    Ho, Wo = (H + 2 * p - k) // s + 1, (W + 2 * p - k) // s + 1
+    # Offsets of a few pixels: many taps leave the map (partly or wholly).
+    offset = 2.5 * torch.randn(B, 2 * k * k, Ho, Wo, generator=g, dtype=torch.float64)
+    weight = torch.randn(4, C, k, k, generator=g, dtype=torch.float64)
+    bias = torch.randn(4, generator=g, dtype=torch.float64)
+    got = deform_conv2d(x, offset, weight, bias, s, p, use_torchvision=False)
+    want = reference_deform_conv2d(x, offset, weight, bias, s, p)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_zero_offsets_are_a_plain_strided_conv():
+    x = torch.randn(3, 4, 8, 6)
+    w, b = torch.randn(5, 4, 2, 2), torch.randn(5)
+    got = deform_conv2d(x, torch.zeros(3, 8, 4, 3), w, b, 2, 0, use_torchvision=False)
+    torch.testing.assert_close(got, F.conv2d(x, w, b, stride=2), rtol=1e-5, atol=1e-5)
+
+
+def test_gradcheck_input_offsets_weights():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 2, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    # Offsets away from integer positions: bilinear sampling is not differentiable at the
+    # grid lines themselves.
+    off = 0.37 + 0.8 * torch.randn(2, 8, 2, 1, generator=g, dtype=torch.float64)
+    off.requires_grad_(True)
+    w = torch.randn(3, 2, 2, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def f(x, off, w, b):
+        return deform_conv2d(x, off, w, b, 2, 0, use_torchvision=False)
+
+    assert torch.autograd.gradcheck(f, (x, off, w, b), eps=1e-6, atol=1e-6)
+
+
+def test_bf16_autocast_samples_in_float32():
+    torch.manual_seed(0)
+    dtm = DeformableTokenMerging(8, 16).eval()
+    with torch.no_grad():
+        dtm.offset_conv.weight.normal_(0, 0.3)
+    x = torch.randn(2, 6 * 4, 8)
+    with torch.no_grad():
+        ref, hw = dtm(x, (6, 4))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low, _ = dtm(x, (6, 4))
+    assert hw == (3, 2) and low.dtype == torch.bfloat16
+    assert (low.float() - ref).abs().max() < 0.05 * ref.abs().max() + 0.02
+
+
+def test_token_merging_starts_as_patch_merging():
+    torch.manual_seed(0)
+    dtm = DeformableTokenMerging(4, 6).eval()
+    assert not dtm.offset_conv.weight.any() and not dtm.offset_conv.bias.any()
+    x = torch.randn(2, 4 * 6, 4)
+    out, hw = dtm(x, (4, 6))
+    m = x.transpose(1, 2).reshape(2, 4, 4, 6)
+    y = F.conv2d(m, dtm.conv.weight, dtm.conv.bias, stride=2)
+    bn = dtm.norm
+    y = F.gelu(F.batch_norm(y, bn.running_mean, bn.running_var, bn.weight, bn.bias, eps=bn.eps))
+    torch.testing.assert_close(out, y.flatten(2).transpose(1, 2), rtol=1e-5, atol=1e-5)
+    assert hw == (2, 3)
+
+
+def test_torchvision_parity():
+    tv = pytest.importorskip("torchvision.ops", reason="torchvision is not installed here")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, 7, 6, generator=g)
+    off = 2 * torch.randn(3, 8, 3, 3, generator=g)
+    w, b = torch.randn(5, 4, 2, 2, generator=g), torch.randn(5, generator=g)
+    want = tv.deform_conv2d(x, off, w, b, stride=2)
+    got = deform_conv2d(x, off, w, b, 2, 0, use_torchvision=False)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
