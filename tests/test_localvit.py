@@ -18,6 +18,7 @@ from lgvit.models.localvit import locality_ffn
 
 FIXTURE = Path(__file__).parent / "fixtures" / "localvit_authors_keys.json"
 LOCALVIT = lgvit.list_models("localvit_*")
+BASELINES = ["deit_tiny", "deit_small", "pvt_tiny", "swin_tiny", "t2t_vit_7", "tnt_tiny"]
 
 
 def meta(name: str, **kw):
@@ -35,7 +36,7 @@ def _randomise(module: nn.Module, seed: int = 0) -> None:
                 t.copy_(torch.randn(t.shape, generator=g) * 0.2)
 
 
-@pytest.mark.parametrize("name", LOCALVIT)
+@pytest.mark.parametrize("name", LOCALVIT + BASELINES)
 def test_param_counts_match_the_paper(name):
     want = lgvit.get_model_config(name).paper["params_m"]
     got = count_params(meta(name)) / 1e6
@@ -45,11 +46,20 @@ def test_param_counts_match_the_paper(name):
 @pytest.mark.parametrize(
     "name, macs_g",
     [("localvit_tiny", 1.27), ("localvit_small", 4.62), ("localvit_pvt_tiny", 1.98),
-     ("deit_tiny", 1.25), ("pvt_tiny", 1.93)],
+     ("localvit_t2t_vit_7", 1.15), ("localvit_tnt_tiny", 1.42), ("deit_tiny", 1.25),
+     ("pvt_tiny", 1.93), ("t2t_vit_7", 1.15), ("tnt_tiny", 1.40)],
 )  # fmt: skip
 def test_macs_match(name, macs_g):
     got = count_macs(meta(name), (3, 224, 224)) / 1e9
     assert abs(got - macs_g) / macs_g < 0.01, f"{name}: {got:.3f}G"
+
+
+def test_t2t_random_features_are_fixed():
+    m = meta("localvit_t2t_vit_7")
+    trained = sum(p.numel() for p in m.parameters() if p.requires_grad) / 1e6
+    assert abs(trained - 4.33) < 0.01  # the paper's "4.3M": random features and positions fixed
+    assert not m.patch_embed.attention1.w.requires_grad and not m.pos_embed.requires_grad
+    assert isinstance(m.patch_embed.attention1.mlp, LocalityFeedForward)
 
 
 def test_locality_feed_forward_matches_direct_convolutions():

@@ -7,6 +7,8 @@ from lgvit.models import pvt  # noqa: F401
 from lgvit.models import swin  # noqa: F401
 from lgvit.models import localvit  # noqa: F401
 from lgvit.models import lit  # noqa: F401
+from lgvit.models import t2t  # noqa: F401
+from lgvit.models import tnt  # noqa: F401
 from lgvit.models.base import StagedViT
 from lgvit.models.registry import (
     FeatureMaps,

@@ -65,6 +65,10 @@ class StagedViT(nn.Module):
     def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
         raise NotImplementedError
 
+    def tokens_of(self, x: Any) -> torch.Tensor:
+        """The tokens in what the stages pass on (TNT passes pixel and patch tokens)."""
+        return x
+
     def init_head(
         self,
         num_features: int,
@@ -104,7 +108,7 @@ class StagedViT(nn.Module):
         x, hw = self.forward_stem(x)
         for stage in self.stage_list():
             x, hw = self._run(stage, x, hw)
-        return self.norm(x)
+        return self.norm(self.tokens_of(x))
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         if self.global_pool == "token":
@@ -153,13 +157,14 @@ class StagedViT(nn.Module):
         for i, stage in enumerate(run):
             x, hw = self._run(stage, x, hw)
             if i in take:
-                t = self.norm(x) if norm and (self.norm_intermediates or i == last) else x
+                t = self.tokens_of(x)
+                t = self.norm(t) if norm and (self.norm_intermediates or i == last) else t
                 t = t[:, num_prefix_tokens(t, hw) :]
                 t = t.reshape(t.shape[0], hw[0], hw[1], -1)
                 maps.append(t if output_fmt == "NHWC" else t.permute(0, 3, 1, 2).contiguous())
         if intermediates_only:
             return maps
-        return self.norm(x), maps
+        return self.norm(self.tokens_of(x)), maps
 
     def prune_intermediate_layers(
         self,

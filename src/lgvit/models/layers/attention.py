@@ -28,6 +28,7 @@ def multihead_sdpa(
     kv_heads: int | None = None,
     attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Softmax attention of ``q (B, N, H*d)`` over ``k, v (B, M, Hkv*d)`` -> ``(B, N, H*d)``.
 
@@ -35,7 +36,8 @@ def multihead_sdpa(
     heads than query heads, the query heads that share one are stacked along the query length
     (the grouped-query trick): one ``(g*N x M)`` attention per key/value head instead of ``g``
     separate ones, with no copy of the keys and values. ``attn_mask`` is an additive bias
-    broadcastable to ``(B, H, N, M)``. Runs in ``F.scaled_dot_product_attention``.
+    broadcastable to ``(B, H, N, M)``; ``scale`` defaults to ``1/sqrt(d)``. Runs in
+    ``F.scaled_dot_product_attention``.
     """
     B, N, _ = q.shape
     M = k.shape[1]
@@ -48,7 +50,9 @@ def multihead_sdpa(
     if attn_mask is not None:
         mask = attn_mask.expand(*attn_mask.shape[:-3], num_heads, N, M)
         attn_mask = mask.reshape(*mask.shape[:-3], kvh, g * N, M).to(q.dtype)
-    x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+    x = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
+    )
     return x.view(B, kvh, g, N, d).permute(0, 3, 1, 2, 4).reshape(B, N, num_heads * d)
 
 
@@ -108,6 +112,8 @@ class Attention(nn.Module):
             ``sr x sr`` stride-``sr`` conv + LayerNorm (``forward`` then needs the grid).
         rel_pos_grid: add a learned relative-position bias over this token grid (the tokens
             must then form exactly that grid).
+        qk_scale: the logit scale (default ``1/sqrt(head_dim)``; T2T-ViT's released weights were
+            trained with ``1/sqrt(dim)``).
     """
 
     def __init__(
@@ -122,6 +128,7 @@ class Attention(nn.Module):
         sr_ratio: int = 1,
         rel_pos_grid: int | Grid | None = None,
         norm_layer: type[nn.Module] | None = None,
+        qk_scale: float | None = None,
     ) -> None:
         super().__init__()
         if dim % num_heads:
@@ -142,6 +149,7 @@ class Attention(nn.Module):
             self.sr = nn.Conv2d(dim, dim, sr_ratio, stride=sr_ratio)
             self.norm = (norm_layer or _default_norm)(dim)
         self.rel_pos = RelativePositionBias(rel_pos_grid, num_heads) if rel_pos_grid else None
+        self.qk_scale = qk_scale
 
     def _keys_values(self, x: torch.Tensor, hw: Grid | None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.sr_ratio > 1:
@@ -160,7 +168,9 @@ class Attention(nn.Module):
             bias = self.rel_pos(hw)
             attn_mask = bias if attn_mask is None else attn_mask + bias
         drop = self.attn_drop if self.training else 0.0
-        x = multihead_sdpa(self.q(x), k, v, self.num_heads, self.kv_heads, attn_mask, drop)
+        x = multihead_sdpa(
+            self.q(x), k, v, self.num_heads, self.kv_heads, attn_mask, drop, self.qk_scale
+        )
         return self.proj_drop(self.proj(x))
 
 
