@@ -218,3 +218,24 @@ def test_scaled_lr() -> None:
     assert scaled_lr(cfg, 8) == pytest.approx(5e-4)
     assert scaled_lr(cfg, 1) == pytest.approx(5e-4 / 8)
     assert scaled_lr(TrainConfig(lr=1e-3, batch_size=128, lr_base_batch=256), 2) == 1e-3
+
+
+# ------------------------------------------------------------------ the shipped configs
+
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_builds_its_model(path):
+    import torch
+
+    import lgvit
+    from lgvit.train import model_kwargs
+
+    cfg = load_config(str(path), ["data_dir=/data/imagenet"])  # ImageNet configs need one
+    assert lgvit.models.is_model(cfg.model), cfg.model
+    size = cfg.img_size or lgvit.get_model_config(cfg.model).input_size[-1]
+    with torch.device("meta"):
+        m = lgvit.create_model(cfg.model, img_size=size, **model_kwargs(cfg))
+    assert sum(p.numel() for p in m.parameters()) > 0

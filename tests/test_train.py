@@ -233,3 +233,18 @@ def test_eval_head_mismatch_is_clear(tmp_path):
     one_line_error(ev, "5-class head", "10 classes")
     one_line_error(lgvit("eval", "--checkpoint", str(tmp_path / "nope"), "--data", "digits"),
                    "nope")  # fmt: skip
+
+
+def test_architecture_keys_travel_with_the_checkpoint(tmp_path):
+    # A ViT trained on small images with small patches: eval must rebuild the same patching.
+    run = tmp_path / "vit"
+    p = lgvit("train", "--model", "deit_tiny", "--img-size", "16", "--batch-size", "64",
+              "--data", "synthetic", "--epochs", "1", "--out", str(run), "--set", "patch_size=4",
+              "--set", "log_every=1000")  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    ev = lgvit("eval", "--checkpoint", str(run / "last"), "--data", "synthetic", "--json")
+    assert ev.returncode == 0, ev.stderr
+    assert json.loads(ev.stdout)["acc1"] == pytest.approx(metrics(run)[-1]["test_acc1"], abs=1e-3)
+    bad = lgvit("train", "--model", "lsa_micro_cifar", "--data", "synthetic", "--epochs", "1",
+                "--out", str(tmp_path / "bad"), "--set", "window_size=4")  # fmt: skip
+    one_line_error(bad, "window_size")

@@ -52,6 +52,8 @@ class TrainConfig:
     model: str = "lsa_micro_cifar"
     num_classes: int | None = None  # None -> from the dataset
     img_size: int | None = None  # None -> model default
+    patch_size: int | None = None  # None -> model default (e.g. 4 for ViTs on 32px images)
+    window_size: int | None = None  # None -> model default (Swin's attention windows)
     drop_path: float = 0.1
     # data
     data: str = "cifar10"  # cifar10 | cifar100 | imagefolder | digits | synthetic

@@ -221,11 +221,20 @@ def build_model(cfg: TrainConfig, num_classes: int) -> tuple[nn.Module, int]:
     img_size = cfg.img_size or default
     try:
         model = create_model(
-            cfg.model, num_classes=num_classes, img_size=img_size, drop_path_rate=cfg.drop_path
-        )
+            cfg.model, num_classes=num_classes, img_size=img_size, drop_path_rate=cfg.drop_path,
+            **model_kwargs(cfg),
+        )  # fmt: skip
     except ValueError as e:
         raise LgvitError(f"model {cfg.model} at --img-size {img_size}: {e}") from None
+    except TypeError as e:  # an architecture key this model does not take
+        raise LgvitError(f"model {cfg.model}: {e}") from None
     return model, img_size
+
+
+def model_kwargs(cfg: TrainConfig) -> dict[str, int]:
+    """Architecture keys of the config that were set (stored in checkpoints for eval)."""
+    keys = ("patch_size", "window_size")
+    return {k: getattr(cfg, k) for k in keys if getattr(cfg, k) is not None}
 
 
 def augment_config(cfg: TrainConfig, img_size: int, splits: DatasetSplits) -> AugmentConfig:
@@ -381,6 +390,7 @@ def checkpoint_metadata(cfg: TrainConfig, img_size: int, splits: DatasetSplits) 
         "mean": json.dumps(list(splits.mean)),
         "std": json.dumps(list(splits.std)),
         "dataset": cfg.data,
+        "model_kwargs": json.dumps(model_kwargs(cfg)),
     }
 
 

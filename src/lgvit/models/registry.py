@@ -162,6 +162,8 @@ def create_model(
             meta = {}  # a plain .pt/.pth state dict carries no metadata
         if "img_size" in meta:
             overrides.setdefault("img_size", int(meta["img_size"]))
+        for key, value in json.loads(meta.get("model_kwargs", "{}")).items():
+            overrides.setdefault(key, value)  # architecture choices the run was trained with
     if num_classes is not None:
         overrides["num_classes"] = num_classes
     overrides.setdefault("num_classes", cfg.num_classes)
