@@ -85,6 +85,31 @@ def test_locality_feed_forward_matches_direct_convolutions():
     assert fc1.out_features == g * C // 8  # the reduction divides the expanded width
 
 
+@pytest.mark.parametrize("attn", ["se", "eca", None])
+def test_token_layout_equals_map_layout_in_training_and_eval(attn):
+    # forward() runs on tokens (1x1 convs as matmuls, BatchNorm folded in eval); forward_map()
+    # runs the layers as the authors' nn.Sequential does.
+    torch.manual_seed(0)
+    a = LocalityFeedForward(6, 24, channel_attn=attn, reduction=4)
+    _randomise(a)
+    b = LocalityFeedForward(6, 24, channel_attn=attn, reduction=4)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(3, 4 * 5, 6, requires_grad=True)
+    for train in (True, False):
+        a.train(train), b.train(train)
+        y = a(x, (4, 5))
+        ref = b.forward_map(x.transpose(1, 2).reshape(3, 6, 4, 5)).flatten(2).transpose(1, 2)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    for ma, mb in zip(a.modules(), b.modules(), strict=True):
+        if isinstance(ma, nn.BatchNorm2d):  # the same running statistics were kept
+            torch.testing.assert_close(ma.running_var, mb.running_var)
+    g1 = torch.autograd.grad(a.train()(x, (4, 5)).square().sum(), x)[0]
+    g2 = torch.autograd.grad(
+        b.train().forward_map(x.transpose(1, 2).reshape(3, 6, 4, 5)).square().sum(), x
+    )[0]
+    torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-5)
+
+
 def test_channel_attention_options():
     eca = LocalityFeedForward(192, 768, channel_attn="eca")
     assert eca.attn.conv.kernel_size == (5,) and isinstance(eca.attn.gate, nn.Sigmoid)

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from lgvit.models.layers.helpers import Grid, num_prefix_tokens, tokens_to_map
+from lgvit.models.layers.helpers import Grid, num_prefix_tokens
 from lgvit.models.layers.weight_init import trunc_normal_
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {
@@ -45,6 +46,10 @@ class SqueezeExcite(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.fc(x.mean((2, 3))).to(x.dtype)[:, :, None, None]
 
+    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The same on tokens ``(B, N, C)`` (the pooling is over the tokens)."""
+        return x * self.fc(x.mean(1)).to(x.dtype)[:, None, :]
+
 
 class EfficientChannelAttention(nn.Module):
     """ECA: avg-pool -> 1-D conv across channels (kernel from the channel count, no bias) ->
@@ -60,6 +65,10 @@ class EfficientChannelAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.conv(x.mean((2, 3))[:, None, :])  # (B, 1, C)
         return x * self.gate(y)[:, 0, :, None, None]
+
+    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The same on tokens ``(B, N, C)``."""
+        return x * self.gate(self.conv(x.mean(1)[:, None, :])).to(x.dtype)
 
 
 class LocalityFeedForward(nn.Module):
@@ -126,14 +135,59 @@ class LocalityFeedForward(nn.Module):
         return seq + [self.project, self.bn3]
 
     def forward_map(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, C, H, W) -> (B, C, H, W)``: the branch, without the residual."""
+        """``(B, C, H, W) -> (B, C, H, W)``: the branch, layer by layer as the authors' code
+        runs it (the reference :meth:`forward` is tested against)."""
         for layer in self.layers():
             x = layer(x)
         return x
 
     def forward(self, x: torch.Tensor, hw: Grid) -> torch.Tensor:
+        """The branch on the tokens, without the residual (class tokens get a zero update).
+
+        Tokens ``(B, H*W, C)`` are already the channels-last layout of the map, so the 1x1
+        convolutions run as matmuls on them and only the depth-wise conv sees a (channels-last)
+        map: no transposes or copies. In eval mode each BatchNorm is folded into the matmul or
+        conv before it.
+        """
         p = num_prefix_tokens(x, hw)
-        y = self.forward_map(tokens_to_map(x[:, p:], hw)).flatten(2).transpose(1, 2)
+        t = x[:, p:] if p else x
+        B, N, _ = t.shape
+        h = self.act1(_linear_bn(t, self.expand, self.bn1))
+        if self.dwconv is not None:
+            c = h.shape[-1]
+            m = h.reshape(B, hw[0], hw[1], c).permute(0, 3, 1, 2)  # channels-last, no copy
+            w, b = _folded(self.dwconv, self.bn2)
+            m = F.conv2d(m, w, b, padding=1, groups=c)
+            h = m.permute(0, 2, 3, 1).reshape(B, N, c)
+            if b is None:  # training: batch statistics
+                h = _batch_norm_tokens(h, self.bn2)
+            h = self.act2(h)
+        if self.attn is not None:
+            h = self.attn.forward_tokens(h)
+        y = _linear_bn(h, self.project, self.bn3)
         if p:
-            y = torch.cat([y.new_zeros(y.shape[0], p, y.shape[2]), y], dim=1)
+            y = torch.cat([y.new_zeros(B, p, y.shape[2]), y], dim=1)
         return y
+
+
+def _folded(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``conv -> bn`` as one conv (weight, bias) in eval mode; ``(conv.weight, None)`` while
+    training (the batch statistics are needed)."""
+    if bn.training:
+        return conv.weight, None
+    scale = bn.weight * torch.rsqrt(bn.running_var + bn.eps)
+    w = conv.weight * scale.view(-1, *([1] * (conv.weight.ndim - 1)))
+    return w, bn.bias - bn.running_mean * scale
+
+
+def _batch_norm_tokens(t: torch.Tensor, bn: nn.BatchNorm2d) -> torch.Tensor:
+    """BatchNorm2d over tokens ``(B, N, C)``: statistics over batch and positions, as over the
+    map (a ``(B*N, C, 1, 1)`` view)."""
+    return bn(t.reshape(-1, t.shape[-1], 1, 1)).view_as(t)
+
+
+def _linear_bn(t: torch.Tensor, conv: nn.Conv2d, bn: nn.BatchNorm2d) -> torch.Tensor:
+    """A bias-free 1x1 conv + BatchNorm on tokens."""
+    w, b = _folded(conv, bn)
+    y = F.linear(t, w.flatten(1), b)
+    return y if b is not None else _batch_norm_tokens(y, bn)
