@@ -1,0 +1,180 @@
+"""Timing harness shared by the family benchmarks: step functions, an in-process runner, a
+runner in a separate spawned process (for another implementation, built by a named function),
+alternating rounds, and the table.
+
+Every configuration is timed once per round, round after round, so machine noise hits all of
+them alike; results are per-configuration medians.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+Key = tuple  # (impl, model, mode, precision, batch)
+
+
+def make_step(
+    model: nn.Module, input_size: tuple[int, int, int], batch: int, train: bool, bf16: bool
+) -> Callable[[], None]:
+    """Inference (``inference_mode``) or a training step (forward, backward, AdamW)."""
+    x = torch.randn(batch, *input_size)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    if not train:
+        model.eval()
+
+        def infer() -> None:
+            with torch.inference_mode(), amp:
+                model(x)
+
+        return infer
+    model.train()
+    y = torch.randint(0, 10, (batch,))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+    def step() -> None:
+        with amp:
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def stub_torchvision() -> None:
+    """An empty ``torchvision`` so that old timm (0.3.2) imports beside a torch build without
+    torchvision; the model code never calls it."""
+    if "torchvision" in sys.modules:
+        return
+    parent = None
+    for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"):
+        mod = types.ModuleType(name)
+        mod.__path__ = []  # a package, so submodule imports resolve to the entries below
+        mod.__getattr__ = lambda attr: type(attr, (), {"__init__": lambda self, *a, **k: None})
+        sys.modules[name] = mod
+        if parent is not None:
+            setattr(parent, name.rsplit(".", 1)[1], mod)
+        parent = mod
+
+
+def _worker(conn, builder: str, args: tuple, threads: int, paths: Sequence[str]) -> None:
+    torch.set_num_threads(threads)
+    # The same allocator settings in every process (lgvit's CLI default): without them, a
+    # process's speed depended on what it had allocated before (page faults on fresh memory),
+    # e.g. the authors' DeiT-T at batch 64 ran at 129 or 197 img/s depending on the
+    # configurations prepared before it.
+    from lgvit.runtime import tune_cpu_allocator
+
+    tune_cpu_allocator()
+    sys.path[:0] = list(paths)
+    module, fn = builder.split(":")
+    build = getattr(importlib.import_module(module), fn)
+    models: dict[str, nn.Module] = {}
+    steps: dict[Key, Callable[[], None]] = {}
+    conn.send(None)
+    while True:
+        msg = conn.recv()
+        if msg[0] == "prepare":
+            _, key, name, input_size, train, bf16 = msg
+            torch.manual_seed(0)
+            if name not in models:
+                models[name] = build(name, *args)
+            steps[key] = make_step(models[name], input_size, key[-1], train, bf16)
+            steps[key]()
+            conn.send(None)
+        elif msg[0] == "time":
+            t0 = time.perf_counter()
+            steps[msg[1]]()
+            conn.send(time.perf_counter() - t0)
+        else:
+            conn.send(peak_rss_gb())
+            return
+
+
+class ProcessRunner:
+    """Builds models with ``builder`` ("module:function", called ``function(name, *args)``) in a
+    spawned process with ``paths`` on its ``sys.path``, and times steps there."""
+
+    def __init__(
+        self, builder: str, args: tuple = (), threads: int = 2, paths: Sequence[str] = ()
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        here = os.path.dirname(os.path.abspath(__file__))
+        self.proc = ctx.Process(
+            target=_worker, args=(child, builder, args, threads, [here, *paths]), daemon=True
+        )
+        self.proc.start()
+        self.conn.recv()
+
+    def prepare(self, key: Key, name: str, input_size: tuple, train: bool, bf16: bool) -> None:
+        self.conn.send(("prepare", key, name, input_size, train, bf16))
+        self.conn.recv()
+
+    def time(self, key: Key) -> float:
+        self.conn.send(("time", key))
+        return self.conn.recv()
+
+    def close(self) -> float:
+        self.conn.send(("stop",))
+        rss = self.conn.recv()
+        self.proc.join()
+        return rss
+
+
+def build_lgvit(name: str) -> nn.Module:
+    import lgvit
+
+    return lgvit.create_model(name)
+
+
+def alternate(
+    runners: dict[str, ProcessRunner], keys: Sequence[Key], rounds: int
+) -> dict[Key, float]:
+    """Median seconds per key; ``keys[i][0]`` names the runner. One run of every key a round."""
+    times: dict[Key, list[float]] = {k: [] for k in keys}
+    for r in range(rounds):
+        for k in keys:
+            times[k].append(runners[k[0]].time(k))
+        print(f"round {r + 1}/{rounds} done", flush=True)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def describe_machine() -> str:
+    cpu = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{cpu}, torch {torch.__version__}"
+
+
+def results_table(medians: dict[Key, float]) -> list[dict[str, Any]]:
+    rows = []
+    print(f"\n{'impl':8s} {'model':22s} {'mode':5s} {'prec':4s} {'batch':>5s} {'img/s':>8s}")
+    for (impl, model, mode, prec, batch), sec in medians.items():
+        rows.append(
+            dict(impl=impl, model=model, mode=mode, prec=prec, batch=batch, img_s=batch / sec)
+        )
+        print(f"{impl:8s} {model:22s} {mode:5s} {prec:4s} {batch:5d} {batch / sec:8.1f}")
+    return rows
