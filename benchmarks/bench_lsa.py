@@ -72,18 +72,20 @@ def make_step(
     x = torch.randn(batch, 3, 32, 32)
     y = torch.randint(0, 10, (batch,))
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    # The mode is set on every call: one model serves inference and training configurations
+    # (before, an inference configuration prepared after a training one ran in training mode).
     if not train:
-        model.eval()
 
         def infer() -> None:
+            model.eval()
             with torch.inference_mode(), amp:
                 model(x)
 
         return infer
-    model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adamw or None)
 
     def step() -> None:
+        model.train()
         with amp:
             loss = F.cross_entropy(model(x), y)
         loss.backward()

@@ -33,20 +33,21 @@ def make_step(
     """Inference (``inference_mode``) or a training step (forward, backward, AdamW)."""
     x = torch.randn(batch, *input_size)
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    # The mode is set on every call: one model serves inference and training configurations.
     if not train:
-        model.eval()
 
         def infer() -> None:
+            model.eval()
             with torch.inference_mode(), amp:
                 model(x)
 
         return infer
-    model.train()
     y = torch.randint(0, 10, (batch,))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
     def step() -> None:
+        model.train()
         with amp:
             loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -60,6 +61,12 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def _stub_attr(attr: str) -> type:
+    if attr.startswith("__"):
+        raise AttributeError(attr)
+    return type(attr, (), {"__init__": lambda self, *a, **k: None})
+
+
 def stub_torchvision() -> None:
     """An empty ``torchvision`` so that old timm (0.3.2) imports beside a torch build without
     torchvision; the model code never calls it."""
@@ -69,7 +76,7 @@ def stub_torchvision() -> None:
     for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"):
         mod = types.ModuleType(name)
         mod.__path__ = []  # a package, so submodule imports resolve to the entries below
-        mod.__getattr__ = lambda attr: type(attr, (), {"__init__": lambda self, *a, **k: None})
+        mod.__getattr__ = _stub_attr
         sys.modules[name] = mod
         if parent is not None:
             setattr(parent, name.rsplit(".", 1)[1], mod)

@@ -353,3 +353,21 @@ def test_timm_reads_our_models():
     groups = param_groups_layer_decay(m, weight_decay=0.05, layer_decay=0.75)
     assert len(groups) > 4, [g.get("lr_scale") for g in groups]
     assert timm.__version__
+
+
+def test_explicit_attention_path_matches_the_fused_kernel():
+    # bf16 training on the CPU takes the explicit matmul path (faster backward); same maths.
+    from lgvit.models.layers.attention import _explicit_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 7, 8, dtype=torch.float64) for _ in range(3))
+    mask = torch.randn(1, 3, 7, 7, dtype=torch.float64)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(_explicit_attention(q, k, v, mask, 0.0, 0.3), want)
+    att = Attention(16, 4, kv_heads=2)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        train = att(x)  # grad enabled, bf16: the explicit path
+        with torch.no_grad():
+            infer = att(x)  # the fused kernel
+    torch.testing.assert_close(train.float(), infer.float(), rtol=0.02, atol=0.02)
