@@ -1,0 +1,158 @@
+"""The LIT paper's efficiency claims, as ratios measured in one run on this machine.
+
+    python benchmarks/bench_lit.py
+
+1. lit_ti vs lit_ti_uniform (plain patch merging): what deformable token merging costs.
+2. lit_ti vs pvt_small (its skeleton with attention everywhere): inference speed, and the peak
+   memory of a training step (each model alone in a fresh process; peak RSS).
+3. DeformableTokenMerging alone vs a 2x2 stride-2 conv of the same shape (stage 1 -> 2 of
+   LIT-Ti: 64 -> 128 channels on a 56x56 map), forward and forward + backward.
+
+Configurations alternate round by round (medians); every model runs in its own spawned process
+with the same runtime settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from harness import ProcessRunner, alternate, describe_machine, results_table  # noqa: E402
+
+
+def _time_module(fn, rounds: int) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def merging_modules(batch: int, bf16: bool, rounds: int) -> dict[str, float]:
+    """DTM vs a plain 2x2 stride-2 conv on the same tokens: forward and forward + backward (ms)."""
+    from lgvit.models.layers import DeformableTokenMerging, tokens_to_map
+
+    torch.manual_seed(0)
+    dtm = DeformableTokenMerging(64, 128)
+    nn.init.normal_(dtm.offset_conv.weight, std=0.05)  # trained offsets are not zero
+    conv = nn.Conv2d(64, 128, 2, stride=2)
+    hw = (56, 56)
+    x = torch.randn(batch, 56 * 56, 64, requires_grad=True)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+
+    def run_dtm(backward: bool):
+        def f() -> None:
+            with amp:
+                y = dtm(x, hw)[0]
+            if backward:
+                y.float().sum().backward()
+
+        return f
+
+    def run_conv(backward: bool):
+        def f() -> None:
+            with amp:
+                y = conv(tokens_to_map(x, hw))
+            if backward:
+                y.float().sum().backward()
+
+        return f
+
+    with torch.no_grad():  # warm-up
+        for make in (run_dtm, run_conv):
+            make(False)()
+    times: dict[str, list[float]] = {k: [] for k in ("dtm", "conv")}
+    for _ in range(rounds):  # alternate the two
+        for name, make in (("dtm", run_dtm), ("conv", run_conv)):
+            with torch.no_grad():
+                times[name].append(_time_module(make(False), 1))
+    out = {f"{k} forward": 1000 * statistics.median(v) for k, v in times.items()}
+    times = {k: [] for k in ("dtm", "conv")}
+    for _ in range(rounds):
+        for name, make in (("dtm", run_dtm), ("conv", run_conv)):
+            times[name].append(_time_module(make(True), 1))
+    out.update({f"{k} fwd+bwd": 1000 * statistics.median(v) for k, v in times.items()})
+    return out
+
+
+def train_peak_memory(model: str, batch: int, threads: int) -> float:
+    """Peak RSS (GB) of a fresh process that builds ``model`` and runs training steps."""
+    r = ProcessRunner("harness:build_lgvit", threads=threads)
+    key = ("lgvit", model, "train", "fp32", batch)
+    r.prepare(key, model, (3, 224, 224), True, False)
+    r.time(key)
+    return r.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="batch 2, one round")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if args.quick:
+        args.batch, args.rounds = 2, 1
+    torch.set_num_threads(args.threads)
+    print(describe_machine(), f"{args.threads} threads, batch {args.batch}", flush=True)
+
+    runners = {"lgvit": ProcessRunner("harness:build_lgvit", threads=args.threads)}
+    models = ("lit_ti", "lit_ti_uniform", "pvt_small")
+    keys = []
+    for model in models:
+        for prec in ("fp32", "bf16"):
+            key = ("lgvit", model, "infer", prec, args.batch)
+            runners["lgvit"].prepare(key, model, (3, 224, 224), False, prec == "bf16")
+            keys.append(key)
+    medians = alternate(runners, keys, args.rounds)
+    runners["lgvit"].close()
+    rows = results_table(medians)
+    ips = {(r["model"], r["prec"]): r["img_s"] for r in rows}
+    print("\ninference, ratios of img/s (paper's claims: DTM costs little; LIT-Ti beats PVT-S):")
+    for prec in ("fp32", "bf16"):
+        uniform = ips["lit_ti", prec] / ips["lit_ti_uniform", prec]
+        pvt = ips["lit_ti", prec] / ips["pvt_small", prec]
+        print(
+            f"  {prec}: lit_ti / lit_ti_uniform {uniform:.2f}x (target >= 0.85x);  "
+            f"lit_ti / pvt_small {pvt:.2f}x (target >= 1.2x)"
+        )
+    mem = {m: train_peak_memory(m, args.batch, args.threads) for m in ("lit_ti", "pvt_small")}
+    print(
+        f"\npeak RSS of a training step (fp32, batch {args.batch}, fresh process each): "
+        + ", ".join(f"{m} {v:.2f} GB" for m, v in mem.items())
+        + f"; lit_ti / pvt_small {mem['lit_ti'] / mem['pvt_small']:.2f}"
+    )
+    merge = {
+        p: merging_modules(args.batch, p == "bf16", max(args.rounds, 3)) for p in ("fp32", "bf16")
+    }
+    print(f"\nmerging 56x56x64 -> 28x28x128, batch {args.batch} (ms, median):")
+    for p, m in merge.items():
+        print(
+            f"  {p}: forward DTM {m['dtm forward']:.1f} vs conv {m['conv forward']:.1f} "
+            f"({m['dtm forward'] / m['conv forward']:.1f}x); forward+backward DTM "
+            f"{m['dtm fwd+bwd']:.1f} vs conv {m['conv fwd+bwd']:.1f} "
+            f"({m['dtm fwd+bwd'] / m['conv fwd+bwd']:.1f}x)"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                dict(machine=describe_machine(), rows=rows, train_rss_gb=mem, merge_ms=merge),
+                f,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()
