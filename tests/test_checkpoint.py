@@ -414,3 +414,26 @@ def test_sigkill_during_save_loop_leaves_a_loadable_pair(tmp_path: Path) -> None
     assert state["global_step"] >= steps
     assert torch.all(weights["w"] == state["global_step"])
     assert torch.equal(state["ema"]["w"], weights["w"])
+
+
+class _ScriptConfig(dict):
+    """Like a training script's config object (yacs' CfgNode is a dict subclass)."""
+
+
+def test_training_script_checkpoint_gives_its_weights_without_running_code(tmp_path: Path):
+    # What the authors' training scripts save: the weights next to argparse/config objects
+    # that weights_only refuses. The weights load; the other objects are never built.
+    import argparse
+
+    marker = tmp_path / "pwned"
+    sd = _tiny_model().state_dict()
+    cfg = _ScriptConfig(lr=0.1)
+    torch.save(
+        {"model": sd, "args": argparse.Namespace(lr=0.1), "config": cfg, "epoch": 299,
+         "hook": _Evil(marker)},
+        tmp_path / "released.pth",
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="weights only"):
+        got = load_weights(tmp_path / "released.pth")
+    assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+    assert not marker.exists()

@@ -30,6 +30,7 @@ import pickle
 import pickletools
 import random
 import re
+import types
 import uuid
 import warnings
 import zipfile
@@ -527,6 +528,53 @@ def _unpickling_error(path: Path, e: BaseException) -> LgvitError:
     return LgvitError(f"{path}: not a PyTorch checkpoint, or corrupt ({detail})")
 
 
+class _Inert:
+    """Stands in for a class or function a checkpoint names that is not plain data (a training
+    script's config object, ``argparse.Namespace``, ...): built from the pickle's arguments
+    without running anything, so the file's tensors can still be read."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __setitem__(self, key: Any, value: Any) -> None:  # dict subclasses (yacs CfgNode)
+        pass
+
+    def append(self, item: Any) -> None:  # list subclasses
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+
+class _DataOnlyUnpickler(pickle.Unpickler):
+    """Torch's weights_only allowlist for what it names; an inert placeholder for the rest."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if f"{module}.{name}" in _allowed_globals():
+            return super().find_class(module, name)
+        return type(name, (_Inert,), {"__module__": "lgvit.checkpoint.inert"})
+
+
+_DATA_ONLY_PICKLE = types.SimpleNamespace(
+    Unpickler=_DataOnlyUnpickler,
+    load=lambda f, **kw: _DataOnlyUnpickler(f, **kw).load(),
+    __name__="lgvit_data_only_pickle",
+)
+
+
+def _torch_load_data_only(path: Path) -> Any:
+    """The file's plain data and tensors, any other object replaced by an inert placeholder
+    (never imported, never called). For weights inside a training script's checkpoint."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(
+            path, map_location="cpu", weights_only=False, pickle_module=_DATA_ONLY_PICKLE
+        )
+
+
 def _torch_load(path: Path) -> Any:
     _require_file(path)
     try:
@@ -589,14 +637,40 @@ def _as_state_dict(obj: Any, path: Path) -> dict[str, Tensor]:
 def load_weights(path: str | Path) -> dict[str, Tensor]:
     """Model weights from a ``.safetensors`` file, a checkpoint stem (``runs/x/last``), or a
     ``.pt``/``.pth`` holding a state_dict (optionally under ``model``/``state_dict``), loaded
-    with ``weights_only=True``. DDP/torch.compile prefixes are stripped."""
+    with ``weights_only=True``. DDP/torch.compile prefixes are stripped.
+
+    A ``.pth`` written by a training script often also holds objects that ``weights_only``
+    refuses (its argparse ``Namespace`` or config object, next to the weights): then the file is
+    read again with every such object replaced by an inert placeholder -- nothing it names is
+    imported or called -- and its weights are used if they are plain tensors; otherwise the
+    refusal stands."""
     resolved = _resolve_weights_path(Path(path))
     if resolved.name.endswith(WEIGHTS_SUFFIX):
         tensors, _ = _read_safetensors(resolved)
         if not tensors:
             raise LgvitError(f"{resolved}: holds no tensors")
     else:
-        tensors = _as_state_dict(_torch_load(resolved), resolved)
+        try:
+            obj = _torch_load(resolved)
+        except LgvitError as refused:
+            if "refusing to load" not in str(refused):
+                raise
+            try:
+                obj = _torch_load_data_only(resolved)
+                tensors = _as_state_dict(obj, resolved)
+            except Exception:
+                raise refused from None
+            skipped = sorted(
+                {k for k, v in obj.items() if isinstance(v, _Inert)} if isinstance(obj, Mapping)
+                else set()
+            )  # fmt: skip
+            warnings.warn(
+                f"{resolved}: read its weights only; left out objects that are not plain data"
+                + (f" ({', '.join(map(str, skipped))})" if skipped else ""),
+                stacklevel=2,
+            )
+            return clean_state_dict(tensors)
+        tensors = _as_state_dict(obj, resolved)
     return clean_state_dict(tensors)
 
 
