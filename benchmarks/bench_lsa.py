@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing as mp
-import os
 import resource
 import statistics
 import sys
@@ -33,6 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from harness import ProcessRunner
 
 import lgvit
 from lgvit.measure import count_macs, count_params, matmul_peak_flops
@@ -111,66 +110,8 @@ class LocalRunner:
         return time.perf_counter() - t0
 
 
-def _authors_worker(conn, repo: str, threads: int, tuned_malloc: bool, model_name: str) -> None:
-    """A separate process for the other model (the authors', or lgvit from another source tree
-    -- then ``repo`` is empty and PYTHONPATH points there), with its own runtime defaults."""
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    if tuned_malloc:
-        tune_cpu_allocator()
-    model = build_authors_model(repo) if repo else lgvit.create_model(model_name)
-    conn.send(count_params(model))
-    steps: dict[tuple, Callable[[], None]] = {}
-    while True:
-        msg = conn.recv()
-        if msg[0] == "prepare":
-            _, key, batch, train, bf16 = msg
-            steps[key] = make_step(model, batch, train, bf16, fused_adamw=False)
-            steps[key]()
-            conn.send(None)
-        elif msg[0] == "time":
-            t0 = time.perf_counter()
-            steps[msg[1]]()
-            conn.send(time.perf_counter() - t0)
-        else:
-            conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-            return
-
-
-class AuthorsRunner:
-    def __init__(
-        self, repo: str, threads: int, tuned_malloc: bool, baseline_src: str = "", model: str = ""
-    ) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_authors_worker, args=(child, repo, threads, tuned_malloc, model), daemon=True
-        )
-        saved = os.environ.get("PYTHONPATH")
-        if baseline_src:  # the child imports lgvit from there (spawn starts a fresh interpreter)
-            os.environ["PYTHONPATH"] = baseline_src
-        try:
-            self.proc.start()
-        finally:
-            if baseline_src:
-                os.environ.pop("PYTHONPATH") if saved is None else os.environ.update(
-                    PYTHONPATH=saved
-                )
-        self.params = self.conn.recv()
-
-    def prepare(self, key: tuple, batch: int, train: bool, bf16: bool) -> None:
-        self.conn.send(("prepare", key, batch, train, bf16))
-        self.conn.recv()
-
-    def time(self, key: tuple) -> float:
-        self.conn.send(("time", key))
-        return self.conn.recv()
-
-    def close(self) -> float:
-        self.conn.send(("stop",))
-        rss = self.conn.recv()
-        self.proc.join()
-        return rss
+def build_authors(name: str, repo: str) -> nn.Module:  # runs in the authors' process
+    return build_authors_model(repo)
 
 
 def main() -> None:
@@ -206,11 +147,15 @@ def main() -> None:
         sys.exit("bench_lsa: give --authors-repo or --baseline-src, not both")
     other = "authors" if args.authors_repo else "baseline"
     if args.authors_repo:
-        authors = AuthorsRunner(args.authors_repo, args.threads, args.authors_tuned_malloc)
+        authors = ProcessRunner(
+            "bench_lsa:build_authors", (args.authors_repo,), args.threads,
+            tuned_malloc=args.authors_tuned_malloc,
+        )  # fmt: skip
     elif args.baseline_src:
-        authors = AuthorsRunner(
-            "", args.threads, not args.default_malloc, args.baseline_src, args.model
-        )
+        authors = ProcessRunner(
+            "harness:build_lgvit", (), args.threads, pythonpath=args.baseline_src,
+            tuned_malloc=not args.default_malloc,
+        )  # fmt: skip
     other_tuned = args.authors_tuned_malloc or (args.baseline_src and not args.default_malloc)
     print(
         f"threads {args.threads}, torch {torch.__version__}, model {args.model}: "
@@ -218,7 +163,7 @@ def main() -> None:
         f"allocator: lgvit {'default' if args.default_malloc else 'tuned'}"
         + (
             f", {other} {'tuned' if other_tuned else 'default'} "
-            f"({authors.params / 1e6:.2f}M params, separate process)"
+            f"({authors.params(args.model) / 1e6:.2f}M params, separate process)"
             if authors
             else ""
         )
@@ -247,7 +192,7 @@ def main() -> None:
         if impl == "lgvit":
             local.prepare(c, ours, bs, mode == "train", prec == "bf16")
         else:
-            authors.prepare(c, bs, mode == "train", prec == "bf16")
+            authors.prepare(c, args.model, (3, 32, 32), mode == "train", prec == "bf16")
     times: dict[tuple, list[float]] = {c: [] for c in configs}
     for r in range(args.rounds):
         for c in configs:  # alternate: one timed run of every configuration per round

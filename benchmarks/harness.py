@@ -83,15 +83,18 @@ def stub_torchvision() -> None:
         parent = mod
 
 
-def _worker(conn, builder: str, args: tuple, threads: int, paths: Sequence[str]) -> None:
+def _worker(
+    conn, builder: str, args: tuple, threads: int, paths: Sequence[str], tuned_malloc: bool
+) -> None:
     torch.set_num_threads(threads)
     # The same allocator settings in every process (lgvit's CLI default): without them, a
     # process's speed depended on what it had allocated before (page faults on fresh memory),
     # e.g. the authors' DeiT-T at batch 64 ran at 129 or 197 img/s depending on the
     # configurations prepared before it.
-    from lgvit.runtime import tune_cpu_allocator
+    if tuned_malloc:
+        from lgvit.runtime import tune_cpu_allocator
 
-    tune_cpu_allocator()
+        tune_cpu_allocator()
     sys.path[:0] = list(paths)
     module, fn = builder.split(":")
     build = getattr(importlib.import_module(module), fn)
@@ -112,6 +115,10 @@ def _worker(conn, builder: str, args: tuple, threads: int, paths: Sequence[str])
             t0 = time.perf_counter()
             steps[msg[1]]()
             conn.send(time.perf_counter() - t0)
+        elif msg[0] == "params":
+            if msg[1] not in models:
+                models[msg[1]] = build(msg[1], *args)
+            conn.send(sum(p.numel() for p in models[msg[1]].parameters()))
         else:
             conn.send(peak_rss_gb())
             return
@@ -119,19 +126,45 @@ def _worker(conn, builder: str, args: tuple, threads: int, paths: Sequence[str])
 
 class ProcessRunner:
     """Builds models with ``builder`` ("module:function", called ``function(name, *args)``) in a
-    spawned process with ``paths`` on its ``sys.path``, and times steps there."""
+    spawned process with ``paths`` on its ``sys.path``, and times steps there.
+
+    ``pythonpath``: the child's PYTHONPATH, ahead of everything (another lgvit checkout's
+    ``src``, so the child imports that lgvit); ``tuned_malloc``: lgvit's allocator settings.
+    """
 
     def __init__(
-        self, builder: str, args: tuple = (), threads: int = 2, paths: Sequence[str] = ()
+        self,
+        builder: str,
+        args: tuple = (),
+        threads: int = 2,
+        paths: Sequence[str] = (),
+        pythonpath: str | None = None,
+        tuned_malloc: bool = True,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         here = os.path.dirname(os.path.abspath(__file__))
         self.proc = ctx.Process(
-            target=_worker, args=(child, builder, args, threads, [here, *paths]), daemon=True
+            target=_worker,
+            args=(child, builder, args, threads, [here, *paths], tuned_malloc),
+            daemon=True,
         )
-        self.proc.start()
+        saved = os.environ.get("PYTHONPATH")
+        if pythonpath:  # spawn starts a fresh interpreter: it reads the variable at start-up
+            os.environ["PYTHONPATH"] = pythonpath
+        try:
+            self.proc.start()
+        finally:
+            if pythonpath:
+                if saved is None:
+                    os.environ.pop("PYTHONPATH")
+                else:
+                    os.environ["PYTHONPATH"] = saved
         self.conn.recv()
+
+    def params(self, name: str) -> int:
+        self.conn.send(("params", name))
+        return self.conn.recv()
 
     def prepare(self, key: Key, name: str, input_size: tuple, train: bool, bf16: bool) -> None:
         self.conn.send(("prepare", key, name, input_size, train, bf16))

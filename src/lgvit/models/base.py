@@ -33,6 +33,22 @@ from lgvit.models.layers import (
 POOLS = ("avg", "token", "")
 
 
+def block_feature_info(dim: int, reduction: int, depth: int) -> FeatureInfo:
+    """``feature_info`` of a plain ViT: every block is a feature level at one stride."""
+    return FeatureInfo(
+        dict(num_chs=dim, reduction=reduction, module=f"blocks.{i}") for i in range(depth)
+    )
+
+
+def pyramid_feature_info(dims: Sequence[int], first_reduction: int) -> FeatureInfo:
+    """``feature_info`` of a pyramid whose stage i is ``dims[i]`` wide at stride
+    ``first_reduction * 2**i``."""
+    return FeatureInfo(
+        dict(num_chs=d, reduction=first_reduction * 2**i, module=f"stages.{i}")
+        for i, d in enumerate(dims)
+    )
+
+
 class StagedViT(nn.Module):
     """Stem -> stages -> final norm -> pooled head.
 
@@ -64,6 +80,11 @@ class StagedViT(nn.Module):
 
     def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
         raise NotImplementedError
+
+    def check_input(self, x: torch.Tensor) -> None:
+        """One clear error for an input that is not a batch of images with our channels."""
+        if x.ndim != 4 or x.shape[1] != self.in_chans:
+            raise ValueError(f"expected input (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
 
     def tokens_of(self, x: Any) -> torch.Tensor:
         """The tokens in what the stages pass on (TNT passes pixel and patch tokens)."""

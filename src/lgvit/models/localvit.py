@@ -67,7 +67,14 @@ def map_authors_ffn_keys(state_dict: dict[str, torch.Tensor], model: nn.Module) 
     return out
 
 
-class LocalViT(VisionTransformer):
+class _AuthorsFeedForwardLayout:
+    """The authors' checkpoints: the skeleton's own mapping, then ``conv.conv.<i>``."""
+
+    def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict:
+        return map_authors_ffn_keys(super().checkpoint_filter_fn(state_dict), self)  # type: ignore[misc]
+
+
+class LocalViT(_AuthorsFeedForwardLayout, VisionTransformer):
     """DeiT with the locality feed-forward.
 
     Args (besides :class:`VisionTransformer`'s):
@@ -100,31 +107,19 @@ class LocalViT(VisionTransformer):
         mlps = [ffn if i in layers else Mlp for i in range(depth)]
         super().__init__(depth=depth, mlp_layer=mlps, **kwargs)
 
-    def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict:
-        """The authors' layout: fused qkv, ``blocks.i.conv.conv.<k>``."""
-        return map_authors_ffn_keys(super().checkpoint_filter_fn(state_dict), self)
 
-
-class LocalViTPVT(PyramidVisionTransformer):
+class LocalViTPVT(_AuthorsFeedForwardLayout, PyramidVisionTransformer):
     """PVT with the locality feed-forward (SE reduction = the stage width, as the authors')."""
 
     def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("mlp_layer", locality_ffn(reduction_from_dim=1.0))
-        super().__init__(**kwargs)
-
-    def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict:
-        return map_authors_ffn_keys(super().checkpoint_filter_fn(state_dict), self)
+        super().__init__(**{"mlp_layer": locality_ffn(reduction_from_dim=1.0), **kwargs})
 
 
-class LocalViTSwin(SwinTransformer):
+class LocalViTSwin(_AuthorsFeedForwardLayout, SwinTransformer):
     """Swin with the locality feed-forward (SE reduction = a quarter of the width: 16 wide)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("mlp_layer", locality_ffn(reduction_from_dim=0.25))
-        super().__init__(**kwargs)
-
-    def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict:
-        return map_authors_ffn_keys(super().checkpoint_filter_fn(state_dict), self)
+        super().__init__(**{"mlp_layer": locality_ffn(reduction_from_dim=0.25), **kwargs})
 
 
 # ---------------------------------------------------------------------------------------------

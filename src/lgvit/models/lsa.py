@@ -40,12 +40,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lgvit.models.base import StagedViT
+from lgvit.models.base import StagedViT, pyramid_feature_info
 from lgvit.models.layers import (
     LN_EPS,
     Attention,
     Block,
-    FeatureInfo,
     Grid,
     Stage,
     WindowAttention,
@@ -504,9 +503,7 @@ class LocallyShiftedViT(StagedViT):
         )
         self.init_head(dims[-1], num_classes, "avg", drop_rate)
         stride0 = self.img_size[0] // self.grids[0][0] if self.grids[0][0] else 1
-        self.feature_info = FeatureInfo(
-            dict(num_chs=dims[i], reduction=stride0 * 2**i, module=f"stages.{i}") for i in range(n)
-        )
+        self.feature_info = pyramid_feature_info(dims, stride0)
 
         self.apply(init_vit_weights)
         for name, p in self.named_parameters():
@@ -533,8 +530,7 @@ class LocallyShiftedViT(StagedViT):
 
     def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
         """Image -> shift embedding (+ position) -> local block: stage 1's first tokens."""
-        if x.ndim != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"expected input (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
+        self.check_input(x)
         x0, variants, grid = self.patch_embed(x, self.shifted)  # (B, N, C), (T, B, N, C)
         if grid != self.grids[0] and not self.dynamic_img_size:
             raise ValueError(

@@ -16,12 +16,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lgvit.models.base import StagedViT
+from lgvit.models.base import StagedViT, pyramid_feature_info
 from lgvit.models.convert import rename_keys
 from lgvit.models.layers import (
     Attention,
     Block,
-    FeatureInfo,
     Grid,
     Mlp,
     PatchEmbed,
@@ -126,15 +125,11 @@ class PyramidVisionTransformer(StagedViT):
         self.init_head(
             embed_dims[-1], num_classes, "token" if class_token else "avg", drop_rate, norm_layer
         )
-        self.feature_info = FeatureInfo(
-            dict(num_chs=embed_dims[i], reduction=patch_size * 2**i, module=f"stages.{i}")
-            for i in range(n)
-        )
+        self.feature_info = pyramid_feature_info(embed_dims, patch_size)
         self.apply(partial(init_vit_weights, conv=False))
 
     def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
-        if x.ndim != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"expected input (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
+        self.check_input(x)
         return self.patch_embed(x)
 
     def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict:

@@ -17,11 +17,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lgvit.models.base import StagedViT
+from lgvit.models.base import StagedViT, pyramid_feature_info
 from lgvit.models.convert import drop_keys, rename_keys, split_fused_qkv
 from lgvit.models.layers import (
     Block,
-    FeatureInfo,
     Grid,
     Mlp,
     PatchEmbed,
@@ -120,15 +119,11 @@ class SwinTransformer(StagedViT):
             for i in range(n)
         )  # fmt: skip
         self.init_head(dims[-1], num_classes, "avg", drop_rate, norm_layer)
-        self.feature_info = FeatureInfo(
-            dict(num_chs=dims[i], reduction=patch_size * 2**i, module=f"stages.{i}")
-            for i in range(n)
-        )
+        self.feature_info = pyramid_feature_info(dims, patch_size)
         self.apply(partial(init_vit_weights, conv=False))
 
     def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
-        if x.ndim != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"expected input (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
+        self.check_input(x)
         x, hw = self.patch_embed(x)
         return self.pos_drop(x), hw
 

@@ -20,11 +20,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lgvit.models.base import StagedViT
+from lgvit.models.base import StagedViT, block_feature_info
 from lgvit.models.convert import rename_keys
 from lgvit.models.layers import (
     Block,
-    FeatureInfo,
     Grid,
     Mlp,
     drop_path_schedule,
@@ -137,10 +136,7 @@ class TNT(StagedViT):
             for i in range(depth)
         )  # fmt: skip
         self.init_head(embed_dim, num_classes, "token", drop_rate, nn.LayerNorm)
-        self.feature_info = FeatureInfo(
-            dict(num_chs=embed_dim, reduction=patch_size, module=f"blocks.{i}")
-            for i in range(depth)
-        )
+        self.feature_info = block_feature_info(embed_dim, patch_size, depth)
         self.apply(partial(init_vit_weights, conv=False))
         for t in (self.cls_token, self.patch_pos, self.pixel_pos):
             trunc_normal_(t, std=0.02)
@@ -153,8 +149,7 @@ class TNT(StagedViT):
         return x[1]
 
     def forward_stem(self, x: torch.Tensor) -> tuple[Tokens, Grid]:  # type: ignore[override]
-        if x.ndim != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"expected input (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
+        self.check_input(x)
         B = x.shape[0]
         pixels, hw = self.pixel_embed(x, self.pixel_pos)
         patches = self.norm2_proj(self.proj(self.norm1_proj(pixels.reshape(B, hw[0] * hw[1], -1))))

@@ -16,11 +16,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lgvit.models.base import StagedViT
+from lgvit.models.base import StagedViT, block_feature_info
 from lgvit.models.convert import split_fused_qkv
 from lgvit.models.layers import (
     Block,
-    FeatureInfo,
     Grid,
     Mlp,
     PatchEmbed,
@@ -121,9 +120,7 @@ class VisionTransformer(StagedViT):
             for i in range(depth)
         )  # fmt: skip
         self.init_head(embed_dim, num_classes, global_pool, drop_rate, norm_layer)
-        self.feature_info = FeatureInfo(
-            dict(num_chs=embed_dim, reduction=stride, module=f"blocks.{i}") for i in range(depth)
-        )
+        self.feature_info = block_feature_info(embed_dim, stride, depth)
         self.apply(partial(init_vit_weights, conv=False))
         if learned_pos:
             trunc_normal_(self.pos_embed, std=0.02)
@@ -135,8 +132,7 @@ class VisionTransformer(StagedViT):
         return int(self.cls_token is not None)
 
     def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
-        if x.ndim != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"expected input (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
+        self.check_input(x)
         x, hw = self.patch_embed(x)
         pos = self.pos_embed
         if tuple(hw) != self.grid:
