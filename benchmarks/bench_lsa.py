@@ -30,8 +30,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from harness import ProcessRunner
+from harness import ProcessRunner, make_step
 
 import lgvit
 from lgvit.measure import count_macs, count_params, matmul_peak_flops
@@ -65,35 +64,6 @@ def build_authors_model(repo: str) -> nn.Module:  # runs in the authors' worker 
         )
 
 
-def make_step(
-    model: nn.Module, batch: int, train: bool, bf16: bool, fused_adamw: bool
-) -> Callable[[], None]:
-    x = torch.randn(batch, 3, 32, 32)
-    y = torch.randint(0, 10, (batch,))
-    amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    # The mode is set on every call: one model serves inference and training configurations
-    # (before, an inference configuration prepared after a training one ran in training mode).
-    if not train:
-
-        def infer() -> None:
-            model.eval()
-            with torch.inference_mode(), amp:
-                model(x)
-
-        return infer
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adamw or None)
-
-    def step() -> None:
-        model.train()
-        with amp:
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
 class LocalRunner:
     """Times step functions in this process."""
 
@@ -101,7 +71,7 @@ class LocalRunner:
         self.steps: dict[tuple, Callable[[], None]] = {}
 
     def prepare(self, key: tuple, model: nn.Module, batch: int, train: bool, bf16: bool) -> None:
-        self.steps[key] = make_step(model, batch, train, bf16, fused_adamw=True)
+        self.steps[key] = make_step(model, (3, 32, 32), batch, train, bf16, fused=True)
         self.steps[key]()  # warm-up (allocations, oneDNN kernel selection)
 
     def time(self, key: tuple) -> float:

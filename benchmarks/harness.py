@@ -28,9 +28,15 @@ Key = tuple  # (impl, model, mode, precision, batch)
 
 
 def make_step(
-    model: nn.Module, input_size: tuple[int, int, int], batch: int, train: bool, bf16: bool
+    model: nn.Module,
+    input_size: tuple[int, int, int],
+    batch: int,
+    train: bool,
+    bf16: bool,
+    fused: bool = False,
 ) -> Callable[[], None]:
-    """Inference (``inference_mode``) or a training step (forward, backward, AdamW)."""
+    """Inference (``inference_mode``) or a training step (forward, backward, AdamW; ``fused``:
+    the fused AdamW kernel, else the multi-tensor one)."""
     x = torch.randn(batch, *input_size)
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     # The mode is set on every call: one model serves inference and training configurations.
@@ -44,7 +50,7 @@ def make_step(
         return infer
     y = torch.randint(0, 10, (batch,))
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
 
     def step() -> None:
         model.train()
