@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -218,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+
+    def one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        print(f"lgvit {args.command}: warning: {message}", file=sys.stderr)
+
+    warnings.showwarning = one_line_warning  # warnings are one line too, without source lines
     if args.command in ("train", "eval", "predict"):
         from lgvit.runtime import tune_cpu_allocator
 
