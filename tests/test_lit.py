@@ -14,7 +14,7 @@ from lgvit.measure import count_macs, count_params
 from lgvit.models.layers import DeformableTokenMerging
 from lgvit.train import param_groups
 
-FIXTURE = Path(__file__).parent / "fixtures" / "lit_authors_keys.json"
+FIXTURE = Path(__file__).parent / "fixtures" / "lit_keys.json"
 LIT = ["lit_ti", "lit_s", "lit_m", "lit_b"]
 ABLATIONS = [n for n in lgvit.list_models() if "params_int_m" in lgvit.get_model_config(n).paper]
 
