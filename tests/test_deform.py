@@ -104,6 +104,22 @@ def test_bf16_autocast_samples_in_float32():
     assert (low.float() - ref).abs().max() < 0.05 * ref.abs().max() + 0.02
 
 
+def test_sampling_runs_in_float32_under_bf16_autocast(monkeypatch):
+    seen = []
+    grid_sample = F.grid_sample
+
+    def spy(x, grid, *args, **kwargs):
+        seen.append((x.dtype, grid.dtype))
+        return grid_sample(x, grid, *args, **kwargs)
+
+    monkeypatch.setattr(F, "grid_sample", spy)
+    x, off = torch.randn(1, 4, 6, 6), torch.randn(1, 8, 3, 3)
+    w, b = torch.randn(5, 4, 2, 2), torch.randn(5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = deform_conv2d(x.bfloat16(), off.bfloat16(), w, b, 2, 0, use_torchvision=False)
+    assert seen == [(torch.float32, torch.float32)] and y.dtype == torch.bfloat16
+
+
 def test_token_merging_starts_as_patch_merging():
     torch.manual_seed(0)
     dtm = DeformableTokenMerging(4, 6).eval()
