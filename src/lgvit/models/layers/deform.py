@@ -58,8 +58,12 @@ def deform_conv2d(
     Wo = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     if offset.shape != (B, 2 * kh * kw, Ho, Wo):
         raise ValueError(f"offset {tuple(offset.shape)} should be {(B, 2 * kh * kw, Ho, Wo)}")
-    tv = _torchvision_deform_conv2d() if use_torchvision is not False else None
-    if tv is not None and (use_torchvision or x.is_cuda):
+    # torchvision is only looked up where it would be used (no import attempt on CPU runs).
+    want_tv = use_torchvision or (use_torchvision is None and x.is_cuda)
+    tv = _torchvision_deform_conv2d() if want_tv else None
+    if use_torchvision and tv is None:
+        raise RuntimeError("use_torchvision=True but torchvision.ops.deform_conv2d does not import")
+    if tv is not None:
         return tv(x, offset, weight, bias, (sh, sw), (ph, pw), (dh, dw))
 
     work = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 if given
