@@ -8,9 +8,11 @@ feed-forwards for the locality feed-forward: in the backbone blocks (g 2, h-swis
 the two performers (g 1, h-swish, no SE).
 
 Following the authors' code: the performers' random features are a non-trained Parameter (so
-they are in checkpoints and counted: 4.39M params, 4.33M trained); the logit scale of the
-backbone attention is ``1/sqrt(embed_dim)`` as their released weights use (the T2T authors'
-"wrong scale" note); no bias in the backbone's qkv.
+they are in checkpoints and counted: 4.39M params, 4.33M trained); no bias in the backbone's
+qkv. The backbone's attention logit scale: T2T-ViT-7 uses ``1/sqrt(embed_dim)``, which the
+T2T authors' released weights need (their "wrong scale" note); LocalViT-T2T uses the usual
+``1/sqrt(head_dim)``, as the LocalViT authors' training (a model built without ``pretrained``)
+does. ``qk_scale=`` overrides either.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ class TokenPerformer(nn.Module):
             self.mlp = LocalityFeedForward(in_dim, in_dim, act="hswish", channel_attn=None)
         else:
             self.norm2 = nn.LayerNorm(in_dim)
-            self.mlp = Mlp(in_dim, in_dim, drop=drop)
+            self.mlp = Mlp(in_dim, in_dim)
+        # dropout after the feed-forward only (the authors' has none between its two linears)
+        self.mlp_drop = nn.Dropout(drop) if not local else nn.Identity()
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
@@ -82,7 +86,7 @@ class TokenPerformer(nn.Module):
         x = v + self.dp(self.proj(y.to(v.dtype)))
         if self.local:
             return x + self.mlp(x, hw)
-        return x + self.mlp(self.norm2(x))
+        return x + self.mlp_drop(self.mlp(self.norm2(x)))
 
 
 class TokensToToken(nn.Module):
@@ -124,8 +128,12 @@ class TokensToToken(nn.Module):
 class T2TViT(VisionTransformer):
     """T2T-ViT: the tokens-to-token embedding on a ViT with fixed sinusoidal positions."""
 
-    def __init__(self, local_t2t: bool = False, token_dim: int = 64, **kwargs: Any) -> None:
+    def __init__(
+        self, local_t2t: bool = False, token_dim: int = 64, qk_scale: float | None = None,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
         embed = partial(_t2t_embedding, token_dim=token_dim, local=local_t2t)
+        kwargs.setdefault("attn_layer", partial(Attention, qk_scale=qk_scale))
         super().__init__(embed_layer=embed, learned_pos=False, **kwargs)
 
     def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict:
@@ -157,7 +165,7 @@ def _t2t_embedding(img_size: Grid, in_chans: int, embed_dim: int, **kw: Any) -> 
 
 _T2T_7 = dict(
     embed_dim=256, depth=7, num_heads=4, mlp_ratio=2.0, qkv_bias=False, drop_path_rate=0.1,
-    norm_layer=nn.LayerNorm, attn_layer=partial(Attention, qk_scale=256**-0.5),
+    norm_layer=nn.LayerNorm,
 )  # fmt: skip
 _CFG = dict(crop_pct=0.9, first_conv="patch_embed.project")
 
@@ -166,8 +174,9 @@ _CFG = dict(crop_pct=0.9, first_conv="patch_embed.project")
     config=ModelConfig(**_CFG, paper=dict(params_m=4.31, macs_g=1.15, imagenet_top1=71.7))
 )
 def t2t_vit_7(**kwargs: Any) -> T2TViT:
-    """T2T-ViT-7: performer tokens-to-token (token dim 64), 256 wide, depth 7, 4 heads, mlp 2."""
-    return T2TViT(**{**_T2T_7, **kwargs})
+    """T2T-ViT-7: performer tokens-to-token (token dim 64), 256 wide, depth 7, 4 heads, mlp 2;
+    logit scale ``1/sqrt(256)`` (the T2T authors' released weights)."""
+    return T2TViT(**{**_T2T_7, "qk_scale": 256**-0.5, **kwargs})
 
 
 @register_model(
@@ -175,6 +184,7 @@ def t2t_vit_7(**kwargs: Any) -> T2TViT:
 )
 def localvit_t2t_vit_7(**kwargs: Any) -> T2TViT:
     """LocalViT-T2T: T2T-ViT-7 with the locality feed-forward (g 2, h-swish + SE, reduction 128)
-    in the blocks and (g 1, h-swish) in the tokens-to-token performers."""
+    in the blocks and (g 1, h-swish) in the tokens-to-token performers; logit scale
+    ``1/sqrt(head_dim)``."""
     ffn = locality_ffn(reduction=128)
     return T2TViT(**{**_T2T_7, "mlp_layer": ffn, "local_t2t": True, **kwargs})
