@@ -195,7 +195,10 @@ class TNT(StagedViT):
 # ---------------------------------------------------------------------------------------------
 
 _TNT_T = dict(embed_dim=192, in_dim=12, depth=12, num_heads=3, in_num_heads=3)
-_CFG = dict(crop_pct=0.9, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), first_conv="pixel_embed.proj")
+# Both were trained by the LocalViT authors' script, whose data pipeline normalises with the
+# ImageNet mean/std and evaluates at a 256 -> 224 centre crop for every model (not timm's TNT
+# defaults of 0.5/0.5 and 0.9).
+_CFG = dict(crop_pct=0.875, first_conv="pixel_embed.proj")
 
 
 @register_model(
