@@ -69,6 +69,16 @@ def test_performer_is_linear_attention_with_positive_random_features():
     assert p.m == 4 and p.w.shape == (4, 8)  # kernel ratio 0.5
 
 
+def test_performer_attention_runs_in_float32_under_autocast():
+    torch.manual_seed(0)
+    p = TokenPerformer(12, 8)
+    k, q, v = (2 * torch.randn(3, 1, 10, 8)).bfloat16()  # as the projection gives them
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = p._attend(k, q, v)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, p._attend(k.float(), q.float(), v.float()), rtol=0, atol=0)
+
+
 def test_performer_features_are_fixed_orthogonal_and_loaded_from_checkpoints(tmp_path):
     torch.manual_seed(0)
     a = lgvit.create_model("t2t_vit_7", img_size=64)

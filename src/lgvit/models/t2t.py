@@ -17,6 +17,7 @@ does. ``qk_scale=`` overrides either.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import partial
 from typing import Any
@@ -45,8 +46,8 @@ class TokenPerformer(nn.Module):
 
     Linear attention with positive random features ``phi(x) = exp(w x - |x|^2 / 2) / sqrt(m)``
     (``m = in_dim * kernel_ratio`` fixed orthogonal features), one head; the values are the
-    skip connection (the width changes from ``dim`` to ``in_dim``). The feature maps run in
-    float32 (an exponential). ``local=True``: the feed-forward is the locality one, without
+    skip connection (the width changes from ``dim`` to ``in_dim``). The attention runs in
+    float32, under autocast too. ``local=True``: the feed-forward is the locality one, without
     its LayerNorm.
     """
 
@@ -73,16 +74,21 @@ class TokenPerformer(nn.Module):
         self.mlp_drop = nn.Dropout(drop) if not local else nn.Identity()
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return torch.exp(x @ self.w.float().T - x.square().sum(-1, keepdim=True) / 2) / math.sqrt(
-            self.m
-        )
+        sq = x.square().sum(-1, keepdim=True) / 2
+        return torch.exp(x @ self.w.float().T - sq) / math.sqrt(self.m)
+
+    def _attend(self, k: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Linear attention in float32, autocast or not: rounding the exponent's argument to
+        bfloat16 moves kernel weights by up to a few percent (seen at random init already)."""
+        amp = k.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(k.device.type)
+        with torch.autocast(k.device.type, enabled=False) if amp else contextlib.nullcontext():
+            kp, qp = self._features(k.float()), self._features(q.float())  # (B, T, m)
+            denom = qp @ kp.sum(1, keepdim=True).transpose(1, 2)  # (B, T, 1)
+            return (qp @ (kp.transpose(1, 2) @ v.float())) / (denom + 1e-8)
 
     def forward(self, x: torch.Tensor, hw: Grid) -> torch.Tensor:
         k, q, v = self.kqv(self.norm1(x)).split(self.in_dim, dim=-1)
-        kp, qp = self._features(k), self._features(q)  # (B, T, m)
-        denom = qp @ kp.sum(1, keepdim=True).transpose(1, 2)  # (B, T, 1)
-        y = (qp @ (kp.transpose(1, 2) @ v.float())) / (denom + 1e-8)
+        y = self._attend(k, q, v)
         x = v + self.dp(self.proj(y.to(v.dtype)))
         if self.local:
             return x + self.mlp(x, hw)
