@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -28,15 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import ProcessRunner, alternate, describe_machine, results_table  # noqa: E402
 
-
-def _time_module(fn, rounds: int) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from lgvit.measure import time_fn  # noqa: E402
 
 
 def merging_modules(batch: int, bf16: bool, rounds: int) -> dict[str, float]:
@@ -76,12 +67,12 @@ def merging_modules(batch: int, bf16: bool, rounds: int) -> dict[str, float]:
     for _ in range(rounds):  # alternate the two
         for name, make in (("dtm", run_dtm), ("conv", run_conv)):
             with torch.no_grad():
-                times[name].append(_time_module(make(False), 1))
+                times[name].append(time_fn(make(False), warmup=1, repeats=1))
     out = {f"{k} forward": 1000 * statistics.median(v) for k, v in times.items()}
     times = {k: [] for k in ("dtm", "conv")}
     for _ in range(rounds):
         for name, make in (("dtm", run_dtm), ("conv", run_conv)):
-            times[name].append(_time_module(make(True), 1))
+            times[name].append(time_fn(make(True), warmup=1, repeats=1))
     out.update({f"{k} fwd+bwd": 1000 * statistics.median(v) for k, v in times.items()})
     return out
 
