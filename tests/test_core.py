@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -10,8 +11,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 import lgvit
 from lgvit.checkpoint import save_checkpoint
@@ -30,7 +29,16 @@ from lgvit.models.layers import (
     resize_rel_pos_table,
 )
 
-LEGACY = Path(__file__).parent / "fixtures" / "lsa_legacy"
+
+def _load_module(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LEGACY = Path(__file__).parent / "fixtures" / "lsa_legacy.json"
+LEGACY_MAKER = _load_module(LEGACY.with_name("make_lsa_legacy.py"))
 
 
 def _reference_attention(q, k, v, heads, bias=None):
@@ -218,21 +226,23 @@ def test_grad_checkpointing_keeps_fewer_activations():
 
 
 def test_checkpoints_from_before_the_core_load_with_identical_outputs():
-    # Made by lgvit 0.1 (before the shared core): small configurations of every LSA variant,
-    # with their outputs on a fixed input.
-    expected = load_file(LEGACY / "expected.safetensors")
-    names = [k for k in expected if k != "input"]
-    assert len(names) == 6
-    for name in names:
-        path = LEGACY / f"{name}.safetensors"
-        with safe_open(str(path), "pt") as f:
-            kwargs = json.loads(f.metadata()["kwargs"])
-        m = lgvit.create_model(name, num_classes=5, **kwargs).eval()
-        res = m.load_state_dict(load_file(path))
-        assert not res.missing_keys and not res.unexpected_keys
+    # Recorded from lgvit before the shared core (tests/fixtures/make_lsa_legacy.py): the old key
+    # names and shapes of six small LSA configurations, and their float64 logits with weights
+    # filled from an integer hash. Today's models take the old keys and give the same logits.
+    fixture = json.loads(LEGACY.read_text())
+    models = fixture["models"]
+    assert len(models) == 6
+    x = LEGACY_MAKER.legacy_input()
+    for name, rec in models.items():
+        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in rec["kwargs"].items()}
+        m = lgvit.create_model(name, num_classes=fixture["num_classes"], **kwargs).double().eval()
+        old = {k: LEGACY_MAKER.fill(k, s, d, i) for i, (k, s, d) in enumerate(rec["keys"])}
+        res = m.load_state_dict(old)
+        assert not res.missing_keys and not res.unexpected_keys, name
         with torch.no_grad():
-            y = m(expected["input"])
-        torch.testing.assert_close(y, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+            y = m(x)
+        want = torch.tensor(rec["logits"], dtype=torch.float64)
+        torch.testing.assert_close(y, want, rtol=1e-9, atol=1e-10, msg=name)
 
 
 def test_create_model_checkpoint_path_carries_normalisation(tmp_path):
