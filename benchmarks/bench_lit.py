@@ -97,7 +97,7 @@ def main() -> None:
     if args.quick:
         args.batch, args.rounds = 2, 1
     torch.set_num_threads(args.threads)
-    print(describe_machine(), f"{args.threads} threads, batch {args.batch}", flush=True)
+    print(describe_machine(), f"(children: {args.threads} threads), batch {args.batch}", flush=True)
 
     runners = {"lgvit": ProcessRunner("harness:build_lgvit", threads=args.threads)}
     models = ("lit_ti", "lit_ti_uniform", "pvt_small")

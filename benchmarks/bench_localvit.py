@@ -57,7 +57,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.batch_sizes, args.rounds, args.modes = [2], 1, ["infer"]
-    print(describe_machine(), f"{args.threads} threads", flush=True)
+    print(describe_machine(), f"(children: {args.threads} threads)", flush=True)
 
     runners = {"lgvit": ProcessRunner("harness:build_lgvit", threads=args.threads)}
     if args.authors_repo:

@@ -71,7 +71,8 @@ class LocalRunner:
         self.steps: dict[tuple, Callable[[], None]] = {}
 
     def prepare(self, key: tuple, model: nn.Module, batch: int, train: bool, bf16: bool) -> None:
-        self.steps[key] = make_step(model, (3, 32, 32), batch, train, bf16, fused=True)
+        amp = torch.bfloat16 if bf16 else None
+        self.steps[key] = make_step(model, (3, 32, 32), batch, train, amp, fused=True)
         self.steps[key]()  # warm-up (allocations, oneDNN kernel selection)
 
     def time(self, key: tuple) -> float:

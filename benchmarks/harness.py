@@ -8,11 +8,9 @@ them alike; results are per-configuration medians.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import multiprocessing as mp
 import os
-import resource
 import statistics
 import sys
 import time
@@ -22,49 +20,14 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from lgvit.measure import describe_machine, make_step, peak_rss_mb  # noqa: F401 (re-exported)
 
 Key = tuple  # (impl, model, mode, precision, batch)
 
 
-def make_step(
-    model: nn.Module,
-    input_size: tuple[int, int, int],
-    batch: int,
-    train: bool,
-    bf16: bool,
-    fused: bool = False,
-) -> Callable[[], None]:
-    """Inference (``inference_mode``) or a training step (forward, backward, AdamW; ``fused``:
-    the fused AdamW kernel, else the multi-tensor one)."""
-    x = torch.randn(batch, *input_size)
-    amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    # The mode is set on every call: one model serves inference and training configurations.
-    if not train:
-
-        def infer() -> None:
-            model.eval()
-            with torch.inference_mode(), amp:
-                model(x)
-
-        return infer
-    y = torch.randint(0, 10, (batch,))
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
-
-    def step() -> None:
-        model.train()
-        with amp:
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
 def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return peak_rss_mb() / 1024
 
 
 def _stub_attr(attr: str) -> type:
@@ -114,7 +77,8 @@ def _worker(
             torch.manual_seed(0)
             if name not in models:
                 models[name] = build(name, *args)
-            steps[key] = make_step(models[name], input_size, key[-1], train, bf16)
+            amp = torch.bfloat16 if bf16 else None
+            steps[key] = make_step(models[name], input_size, key[-1], train, amp)
             steps[key]()
             conn.send(None)
         elif msg[0] == "time":
@@ -203,16 +167,6 @@ def alternate(
             times[k].append(runners[k[0]].time(k))
         print(f"round {r + 1}/{rounds} done", flush=True)
     return {k: statistics.median(v) for k, v in times.items()}
-
-
-def describe_machine() -> str:
-    cpu = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{cpu}, torch {torch.__version__}"
 
 
 def results_table(medians: dict[Key, float]) -> list[dict[str, Any]]:

@@ -60,6 +60,32 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.scaling:
+        from lgvit.scaling import run_scaling
+
+        for path in run_scaling(args.scaling, args.out or f"scaling_{args.scaling}", args.quick):
+            print(path)
+        return 0
+    from lgvit.bench import BenchOptions, format_result, run_bench
+
+    if args.format not in ("table", "markdown", "csv", "json"):
+        raise LgvitError(f"--format {args.format!r}: choose table, markdown, csv or json")
+    opts = BenchOptions(
+        device=args.device, amp=args.amp, batch_size=args.batch_size, img_size=args.img_size,
+        train=args.train, compile=args.compile, rounds=args.rounds, memory=not args.no_memory,
+    )  # fmt: skip
+    progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.quiet else None
+    result = run_bench(args.names, opts, log=progress or (lambda msg: None))
+    text = format_result(result, args.format)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from lgvit.config import load_config
     from lgvit.train import train
@@ -170,6 +196,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_info)
 
+    from lgvit.bench import DEFAULT_BATCH
+    from lgvit.bench import __doc__ as bench_doc
+
+    p = sub.add_parser(
+        "bench",
+        help="params, MACs, throughput, MFU and memory of models, beside the papers' figures",
+        description=bench_doc.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("names", nargs="*", help="model names or wildcards (default: all)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument(
+        "--amp",
+        choices=["auto", "bf16", "fp16", "none"],
+        default="auto",
+        help="precision: auto = bf16 where the hardware has it (default)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH,
+        help=f"default {DEFAULT_BATCH}, the LIT paper's throughput batch (the LSA and "
+        "LocalViT papers name none)",
+    )
+    p.add_argument("--img-size", type=int, help="input size (default: each model's own)")
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="also time a training step (forward, backward, AdamW) and its memory",
+    )
+    p.add_argument("--compile", action="store_true", help="torch.compile every model")
+    p.add_argument("--rounds", type=int, default=3, help="alternating timed rounds (median)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
+    p.add_argument("--format", default="table", help="table, markdown, csv or json")
+    p.add_argument("--out", help="write the table (or, with --scaling, CSV + PNG) here")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument(
+        "--scaling",
+        choices=["lsa", "lit", "localvit"],
+        help="instead of the table: a paper's complexity claim as a curve (CSV + PNG)",
+    )
+    p.add_argument("--quick", action="store_true", help="with --scaling: fewer, smaller points")
+    p.set_defaults(func=cmd_bench)
+
     datasets = ["cifar10", "cifar100", "imagefolder", "digits", "synthetic"]
     p = sub.add_parser("train", help="train a model with the papers' DeiT recipe")
     p.add_argument("--model", help="registered model name (default: lsa_micro_cifar)")
@@ -224,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lgvit {args.command}: warning: {message}", file=sys.stderr)
 
     warnings.showwarning = one_line_warning  # warnings are one line too, without source lines
-    if args.command in ("train", "eval", "predict"):
+    if args.command in ("train", "eval", "predict", "bench"):
         from lgvit.runtime import tune_cpu_allocator
 
         tune_cpu_allocator()  # large activations reuse heap memory (see lgvit.runtime)

@@ -1,7 +1,10 @@
-"""Measuring models the way the paper tables do: params, MACs, throughput."""
+"""Measuring models the way the paper tables do: params, MACs, throughput, memory."""
 
 from __future__ import annotations
 
+import contextlib
+import re
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -9,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -56,21 +60,134 @@ def model_info(name: str) -> dict[str, Any]:
     }
 
 
-def time_fn(fn: Callable[[], Any], warmup: int = 2, repeats: int = 5) -> float:
+def timed(fn: Callable[[], Any], device: torch.device | str = "cpu") -> float:
+    """Seconds of one ``fn()``: wall clock on the CPU, CUDA events (synchronised) on a GPU."""
+    if torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1000.0
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def time_fn(
+    fn: Callable[[], Any], warmup: int = 2, repeats: int = 5, device: torch.device | str = "cpu"
+) -> float:
     """Median seconds of ``fn()`` after warm-up."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(timed(fn, device) for _ in range(repeats))
 
 
-def matmul_peak_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """Measured matmul FLOP/s for ``dtype`` on the CPU (the MFU denominator)."""
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    sec = time_fn(lambda: torch.mm(a, b), warmup=2, repeats=repeats)
+def matmul_peak_flops(
+    dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: torch.device | str = "cpu"
+) -> float:
+    """Measured matmul FLOP/s for ``dtype`` on ``device`` (the MFU denominator)."""
+    if torch.device(device).type == "cuda":
+        n = max(n, 8192)  # a 2048 matmul does not fill a large GPU
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    sec = time_fn(lambda: torch.mm(a, b), warmup=2, repeats=repeats, device=device)
     return 2 * n**3 / sec
+
+
+def make_step(
+    model: nn.Module,
+    input_size: tuple[int, int, int],
+    batch: int,
+    train: bool,
+    amp_dtype: torch.dtype | None = None,
+    fused: bool = False,
+    device: torch.device | str = "cpu",
+) -> Callable[[], None]:
+    """One inference batch (``inference_mode``) or one training step (forward, cross-entropy,
+    backward, AdamW; ``fused``: the fused AdamW kernel, else the multi-tensor one), on random
+    data of the model's input size, under autocast to ``amp_dtype`` when given.
+
+    The model's mode is set on every call, so one model can serve both kinds of step.
+    """
+    device = torch.device(device)
+    x = torch.randn(batch, *input_size, device=device)
+    amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+    if not train:
+
+        def infer() -> None:
+            model.eval()
+            with torch.inference_mode(), amp:
+                model(x)
+
+        return infer
+    classes = getattr(model, "num_classes", 10) or 10
+    y = torch.randint(0, classes, (batch,), device=device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
+    scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
+
+    def step() -> None:
+        model.train()
+        with amp:
+            loss = F.cross_entropy(model(x), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+# ------------------------------------------------------------------------------ CPU memory
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        text = open("/proc/self/status").read()
+    except OSError:
+        return None
+    m = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
+    return int(m[1]) if m else None
+
+
+def rss_mb() -> float:
+    """This process's resident memory now (MB)."""
+    kb = _status_kb("VmRSS")
+    return (kb if kb is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak-RSS window (Linux: ``/proc/self/clear_refs`` 5); False if unsupported,
+    in which case the peak counts from process start."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (MB) since start or the last ``reset_peak_rss``."""
+    kb = _status_kb("VmHWM")
+    return (kb if kb is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
+
+
+def describe_machine(device: torch.device | str = "cpu") -> str:
+    """CPU model name (or the GPU's) and the torch version, for the header of a result."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    cpu = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"

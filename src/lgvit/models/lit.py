@@ -28,7 +28,7 @@ import torch.nn as nn
 from lgvit.models.convert import rename_keys, split_fused_qkv
 from lgvit.models.layers import Attention, DeformableTokenMerging, Grid, PatchMerging
 from lgvit.models.pvt import PyramidVisionTransformer, conv_merge
-from lgvit.models.registry import ModelConfig, register_model
+from lgvit.models.registry import ModelConfig, lit_paper_speed, register_model
 from lgvit.models.swin import SwinTransformer
 
 
@@ -97,27 +97,43 @@ def _cfg(**paper: Any) -> ModelConfig:
     return ModelConfig(crop_pct=0.875, paper=paper)
 
 
-@register_model(config=_cfg(params_m=19.89, macs_g=3.61, imagenet_top1=81.1))
+@register_model(
+    config=_cfg(
+        params_m=19.89, macs_g=3.61, imagenet_top1=81.1, **lit_paper_speed(1294, 5868, 1194)
+    )
+)
 def lit_ti(**kwargs: Any) -> LITPyramid:
     """LIT-Ti: PVT-S skeleton (64/128/320/512, depths 3-4-6-3), MLP-only stages 1-2, global
     attention in 3-4, deformable token merging, class token in stage 4."""
     return LITPyramid(**{**_LIT_TI, **kwargs})
 
 
-@register_model(config=_cfg(params_m=27.97, macs_g=4.08, imagenet_top1=81.5))
+@register_model(
+    config=_cfg(
+        params_m=27.97, macs_g=4.08, imagenet_top1=81.5, **lit_paper_speed(1298, 5973, 1264)
+    )
+)
 def lit_s(**kwargs: Any) -> LITSwin:
     """LIT-S: Swin-T skeleton, MLP-only stages 1-2, global attention with a relative-position
     bias over the stage map in 3-4, deformable token merging."""
     return LITSwin(**{**_LIT_S, **kwargs})
 
 
-@register_model(config=_cfg(params_m=49.37, macs_g=8.59, imagenet_top1=83.0))
+@register_model(
+    config=_cfg(
+        params_m=49.37, macs_g=8.59, imagenet_top1=83.0, **lit_paper_speed(638, 12248, 1473)
+    )
+)
 def lit_m(**kwargs: Any) -> LITSwin:
     """LIT-M: LIT-S with Swin-S depths 2-2-18-2."""
     return LITSwin(**{**_LIT_M, **kwargs})
 
 
-@register_model(config=_cfg(params_m=87.29, macs_g=15.03, imagenet_top1=83.4))
+@register_model(
+    config=_cfg(
+        params_m=87.29, macs_g=15.03, imagenet_top1=83.4, **lit_paper_speed(444, 16766, 2150)
+    )
+)
 def lit_b(**kwargs: Any) -> LITSwin:
     """LIT-B: LIT-M at Swin-B widths (128 x 2^i, heads 4-8-16-32)."""
     return LITSwin(**{**_LIT_B, **kwargs})

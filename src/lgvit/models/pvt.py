@@ -31,7 +31,7 @@ from lgvit.models.layers import (
     per_stage,
     to_2tuple,
 )
-from lgvit.models.registry import ModelConfig, register_model
+from lgvit.models.registry import ModelConfig, lit_paper_speed, register_model
 
 # merge_layer(in_dim, out_dim, stage_index) -> module(x, hw) -> (x, hw)
 MergeFactory = Callable[[int, int, int], nn.Module]
@@ -157,13 +157,25 @@ class PyramidVisionTransformer(StagedViT):
 # ---------------------------------------------------------------------------------------------
 
 
-@register_model(config=ModelConfig(paper=dict(params_m=13.23, macs_g=1.93, imagenet_top1=75.1)))
+@register_model(
+    config=ModelConfig(
+        paper=dict(
+            params_m=13.23, macs_g=1.93, imagenet_top1=75.1, **lit_paper_speed(1768, 4316, 1269)
+        )
+    )
+)
 def pvt_tiny(**kwargs: Any) -> PyramidVisionTransformer:
     """PVT-Tiny: 64/128/320/512, depths 2-2-2-2 (the LocalViT paper's baseline)."""
     return PyramidVisionTransformer(**{"depths": (2, 2, 2, 2), **kwargs})
 
 
-@register_model(config=ModelConfig(paper=dict(params_m=24.5, macs_g=3.8, imagenet_top1=79.8)))
+@register_model(
+    config=ModelConfig(
+        paper=dict(
+            params_m=24.5, macs_g=3.8, imagenet_top1=79.8, **lit_paper_speed(1007, 6996, 1356)
+        )
+    )
+)
 def pvt_small(**kwargs: Any) -> PyramidVisionTransformer:
     """PVT-Small: 64/128/320/512, depths 3-4-6-3 (LIT's skeleton)."""
     return PyramidVisionTransformer(**{"depths": (3, 4, 6, 3), **kwargs})

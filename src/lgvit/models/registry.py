@@ -19,6 +19,19 @@ import torch.nn as nn
 
 from lgvit.errors import LgvitError
 
+# Where a paper's throughput and memory figures were measured (`lgvit bench` names it beside
+# them). The LSA paper gives img/s on a GPU it does not name; the LocalViT paper gives none.
+LSA_PAPER_GPU = "LSA paper: img/s on a GPU it does not name, batch not given"
+LIT_PAPER_GPU = "LIT paper, Table 1: RTX 3090, batch 64, memory = training / test peak"
+
+
+def lit_paper_speed(img_s: float, train_mem_mb: float, test_mem_mb: float) -> dict[str, Any]:
+    """The LIT paper's Table 1 throughput and peak memory, with where they were measured."""
+    return dict(
+        img_s=img_s, train_mem_mb=train_mem_mb, test_mem_mb=test_mem_mb, hardware=LIT_PAPER_GPU
+    )
+
+
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2471, 0.2435, 0.2616)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

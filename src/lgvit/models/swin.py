@@ -32,7 +32,7 @@ from lgvit.models.layers import (
     per_stage,
     to_2tuple,
 )
-from lgvit.models.registry import ModelConfig, register_model
+from lgvit.models.registry import ModelConfig, lit_paper_speed, register_model
 
 # attn_factory(stage, block, grid) -> attention class for that block, or None (MLP-only)
 AttnFactory = Callable[[int, int, Grid], Callable[..., nn.Module] | None]
@@ -129,14 +129,20 @@ class SwinTransformer(StagedViT):
 
     def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict:
         """The Swin authors' layout (``layers.i.blocks.j``, merging at the end of stage i,
-        fused ``qkv``, stored masks and indices) -> ours; lgvit checkpoints pass through."""
+        fused ``qkv``, stored masks and indices) and timm's (merging at the start of stage i,
+        ``head.fc``) -> ours; lgvit checkpoints pass through."""
         if not any(k.startswith("layers.") for k in state_dict):
             return state_dict
         sd = drop_keys(state_dict, r"(relative_position_index|attn_mask)$")
+        # The authors merge at the end of stage i (so stage 0 has one); timm, as we do, at the
+        # start of stage i + 1.
+        shift = int(any(k.startswith("layers.0.downsample.") for k in sd))
         sd = rename_keys(
             sd,
             [
-                (r"^layers\.(\d+)\.downsample\.", lambda m: f"stages.{int(m[1]) + 1}.downsample."),
+                (r"^layers\.(\d+)\.downsample\.",
+                 lambda m: f"stages.{int(m[1]) + shift}.downsample."),
+                (r"^head\.fc\.", "head."),
                 (r"^layers\.(\d+)\.blocks\.", r"stages.\1.blocks."),
                 (r"attn\.relative_position_bias_table$",
                  "attn.rel_pos.relative_position_bias_table"),
@@ -154,7 +160,12 @@ SWIN_CFG = dict(crop_pct=0.9, test_input_size=(3, 112, 112))  # windows of 7 nee
 
 
 @register_model(
-    config=ModelConfig(**SWIN_CFG, paper=dict(params_m=28.3, macs_g=4.5, imagenet_top1=81.3))
+    config=ModelConfig(
+        **SWIN_CFG,
+        paper=dict(
+            params_m=28.3, macs_g=4.5, imagenet_top1=81.3, **lit_paper_speed(961, 6211, 1493)
+        ),
+    )
 )
 def swin_tiny(**kwargs: Any) -> SwinTransformer:
     """Swin-T: 96 x 2^i, depths 2-2-6-2, heads 3-6-12-24, window 7, drop path 0.2."""

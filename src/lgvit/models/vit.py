@@ -31,7 +31,7 @@ from lgvit.models.layers import (
     to_2tuple,
     trunc_normal_,
 )
-from lgvit.models.registry import ModelConfig, register_model
+from lgvit.models.registry import ModelConfig, lit_paper_speed, register_model
 
 
 def sinusoid_table(n: int, dim: int) -> torch.Tensor:
@@ -169,13 +169,17 @@ DEIT_TINY = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)
 DEIT_SMALL = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6)
 
 
-@register_model(config=_cfg(params_m=5.72, macs_g=1.25, imagenet_top1=72.2))
+@register_model(
+    config=_cfg(params_m=5.72, macs_g=1.25, imagenet_top1=72.2, **lit_paper_speed(3398, 2170, 314))
+)
 def deit_tiny(**kwargs: Any) -> VisionTransformer:
     """DeiT-Tiny: 192 wide, 12 blocks, 3 heads, patch 16 (the LocalViT paper's baseline)."""
     return deit(kwargs, **DEIT_TINY, drop_path_rate=0.1)
 
 
-@register_model(config=_cfg(params_m=22.05, macs_g=4.60, imagenet_top1=79.8))
+@register_model(
+    config=_cfg(params_m=22.05, macs_g=4.60, imagenet_top1=79.8, **lit_paper_speed(1551, 4550, 713))
+)
 def deit_small(**kwargs: Any) -> VisionTransformer:
     """DeiT-Small: 384 wide, 12 blocks, 6 heads, patch 16."""
     return deit(kwargs, **DEIT_SMALL, drop_path_rate=0.1)
