@@ -109,8 +109,13 @@ def paper_columns(name: str) -> dict[str, Any]:
         if p.get(key) is not None:
             top1, top1_on = p[key], data
             break
+    params_note = p.get("params_note")
+    if p.get("params_int_m") is not None:
+        with_head = "with" if p.get("params_int_head") else "without"
+        params_note = f"the paper prints whole millions, counted {with_head} the classifier head"
     return {
         "paper_params_m": p.get("params_m") or p.get("params_int_m") or p.get("paper_params_m"),
+        "paper_params_note": params_note,
         "paper_macs_g": p.get("macs_g"),
         "paper_macs_note": p.get("macs_note"),
         "paper_img_s": p.get("img_s"),
@@ -337,12 +342,16 @@ def _cell(row: dict[str, Any], key: str, decimals: int | None, notes: dict[str, 
         return "-"
     if key.endswith("_mfu"):
         text = f"{100 * v:.0f}%"
+    elif key.startswith("paper_") and isinstance(v, int | float):
+        text = f"{v:g}"  # as the paper prints it
     elif decimals is None:
         text = str(v)
     else:
         text = f"{v:.{decimals}f}"
     note = None
-    if key == "paper_macs_g":
+    if key == "paper_params_m":
+        note = row.get("paper_params_note")
+    elif key == "paper_macs_g":
         note = row.get("paper_macs_note")
     elif key in ("paper_img_s", "paper_test_mem_mb", "paper_train_mem_mb"):
         note = row.get("paper_hardware")
@@ -388,7 +397,7 @@ def format_result(result: dict[str, Any], fmt: str) -> str:
     if fmt == "csv":
         out = io.StringIO()
         keys = [c[0] for c in COLUMNS] + [
-            "batch", "paper_macs_note", "paper_hardware", "paper_top1_on",
+            "batch", "paper_params_note", "paper_macs_note", "paper_hardware", "paper_top1_on",
         ]  # fmt: skip
         keys = list(dict.fromkeys(keys))
         writer = csv.DictWriter(out, fieldnames=keys, extrasaction="ignore")

@@ -715,7 +715,14 @@ def lsa_tiny_cifar_d(**kwargs: Any) -> LocallyShiftedViT:
     return _build({**_TINY_CIFAR, "conv_per_variant": False}, kwargs)
 
 
-@register_model(config=_cifar_cfg(None, paper_params_m=7.6, ablation="E"))
+@register_model(
+    config=_cifar_cfg(
+        None,
+        paper_params_m=7.6,
+        ablation="E",
+        params_note="the paper prints 7.6M, which its own architecture does not give",
+    )
+)
 def lsa_tiny_cifar_e(**kwargs: Any) -> LocallyShiftedViT:
     """Ablation E: conv per variant, one shared position embedding.
 
