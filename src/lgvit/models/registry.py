@@ -142,6 +142,7 @@ def create_model(
     checkpoint_path: str | None = None,
     features_only: bool = False,
     out_indices: int | Sequence[int] | None = None,
+    pretrained_cfg_overlay: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> nn.Module:
     """Build a registered model (timm's ``create_model``).
@@ -155,10 +156,25 @@ def create_model(
             ``weights_only=True``; a file that does not fit is an error naming the key.
         features_only: return a module whose forward gives the list of feature maps
             (``out_indices`` chooses which; default every stage), with ``feature_info``.
+        pretrained_cfg_overlay: timm's; ``dict(file=PATH)`` with ``pretrained=True`` loads PATH.
         overrides: architecture arguments (``img_size=64``, ``drop_path_rate=0.2``, ...).
+
+    ``name`` may also be ``local-dir:DIR`` (a folder written by ``save_pretrained``) or
+    ``hf-hub:ORG/NAME`` (the same layout on the Hugging Face hub; needs ``huggingface_hub``).
     """
+    if name.startswith(("local-dir:", "hf-hub:")):
+        from lgvit import hub
+
+        kind, _, where = name.partition(":")
+        if num_classes is not None:
+            overrides["num_classes"] = num_classes
+        load = hub.create_from_dir if kind == "local-dir" else hub.create_from_hub
+        model = load(where, **overrides)
+        return FeatureMaps(model, out_indices) if features_only else model
     _check_name(name)
     cfg = _CONFIGS[name]
+    if pretrained and checkpoint_path is None and (pretrained_cfg_overlay or {}).get("file"):
+        checkpoint_path = str(pretrained_cfg_overlay["file"])
     if pretrained and checkpoint_path is None:
         raise LgvitError(
             f"{name}: lgvit bundles and downloads no weights; pass checkpoint_path=FILE "
@@ -181,6 +197,8 @@ def create_model(
         overrides["num_classes"] = num_classes
     overrides.setdefault("num_classes", cfg.num_classes)
     model = _MODELS[name](**overrides)
+    # The architecture arguments, so save_pretrained can write them (class count aside).
+    model.model_args = {k: v for k, v in overrides.items() if k != "num_classes"}
     if weights is not None:
         _load_checkpoint(model, weights, checkpoint_path, name, cfg, explicit=num_classes)
     model.pretrained_cfg = pretrained_cfg_for(name, model, meta)

@@ -1,0 +1,160 @@
+"""Weights in the Hugging Face hub layout that timm uses: a folder with ``config.json``
+(``architecture``, ``num_classes``, ``num_features``, ``model_args``, ``pretrained_cfg``) and
+``model.safetensors``.
+
+- ``save_pretrained(model, DIR)`` (also ``model.save_pretrained(DIR)``) writes it;
+- ``create_model("local-dir:DIR")`` builds the architecture named in it and loads the weights;
+- ``create_model("hf-hub:ORG/NAME")`` and ``push_to_hub(model, "ORG/NAME")`` do the same through
+  ``huggingface_hub`` when it is installed and the hub can be reached.
+
+Loading never runs code from the folder: ``config.json`` is JSON and the weights are safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch.nn as nn
+
+from lgvit.errors import LgvitError
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+# pretrained_cfg keys written to config.json (timm's); the rest of ours stays in the package.
+_CFG_KEYS = (
+    "input_size", "mean", "std", "crop_pct", "interpolation", "num_classes", "first_conv",
+    "classifier", "fixed_input_size", "label_names", "dataset",
+)  # fmt: skip
+
+
+def _json_ready(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except TypeError:
+        return False
+
+
+def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` for a model built by ``create_model``."""
+    from safetensors.torch import save_file
+
+    name = getattr(model, "model_name", None)
+    if name is None:
+        raise LgvitError("save_pretrained needs a model built by lgvit.create_model")
+    args = dict(getattr(model, "model_args", {}))
+    bad = [k for k, v in args.items() if not _json_ready(v)]
+    if bad:
+        raise LgvitError(
+            f"{name}: model arguments {', '.join(bad)} are not plain data and cannot go into "
+            f"{CONFIG_NAME}; build the model from plain values to save it"
+        )
+    cfg = {k: v for k, v in model.pretrained_cfg.items() if k in _CFG_KEYS}
+    config = {
+        "architecture": name,
+        "num_classes": getattr(model, "num_classes", cfg.get("num_classes")),
+        "num_features": getattr(model, "num_features", None),
+        "global_pool": getattr(model, "global_pool", None) or "avg",
+        "model_args": args,
+        "pretrained_cfg": cfg,
+    }
+    if cfg.get("label_names"):
+        config["label_names"] = cfg["label_names"]
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    # Atomic: a reader never sees a half-written file.
+    for fname, write in (
+        (WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"})),
+        (CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n")),
+    ):
+        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{fname}.tmp-")
+        os.close(fd)
+        try:
+            write(tmp)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, out / fname)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return out
+
+
+def read_config(directory: str | os.PathLike) -> dict[str, Any]:
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise LgvitError(f"{directory}: no {CONFIG_NAME} (not a saved lgvit/timm model folder)")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LgvitError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("architecture"), str):
+        raise LgvitError(f"{path}: no 'architecture' naming the model")
+    return config
+
+
+def create_from_dir(directory: str | os.PathLike, **kwargs: Any) -> nn.Module:
+    """The model a ``save_pretrained`` folder describes, with its weights."""
+    from lgvit.models import create_model, is_model
+
+    config = read_config(directory)
+    name = config["architecture"]
+    if not is_model(name):
+        raise LgvitError(f"{directory}/{CONFIG_NAME}: unknown architecture {name!r}")
+    weights = Path(directory) / WEIGHTS_NAME
+    if not weights.is_file():
+        raise LgvitError(f"{directory}: no {WEIGHTS_NAME}")
+    args = {**config.get("model_args", {}), **kwargs}
+    args.setdefault("num_classes", config.get("num_classes"))
+    model = create_model(name, checkpoint_path=str(weights), **args)
+    cfg = config.get("pretrained_cfg", {})
+    for key in ("mean", "std", "input_size"):
+        if key in cfg:
+            model.pretrained_cfg[key] = tuple(cfg[key])
+    for key in ("crop_pct", "interpolation", "label_names", "dataset"):
+        if key in cfg:
+            model.pretrained_cfg[key] = cfg[key]
+    model.pretrained_cfg["source"] = str(directory)
+    return model
+
+
+def _hub() -> Any:
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise LgvitError(
+            "hf-hub: models need huggingface_hub: pip install huggingface_hub "
+            "(or download the folder yourself and use local-dir:DIR)"
+        ) from None
+    return huggingface_hub
+
+
+def create_from_hub(repo_id: str, revision: str | None = None, **kwargs: Any) -> nn.Module:
+    """``hf-hub:ORG/NAME``: download ``config.json`` and ``model.safetensors``, then load."""
+    hub = _hub()
+    try:
+        folder = None
+        for fname in (CONFIG_NAME, WEIGHTS_NAME):
+            path = hub.hf_hub_download(repo_id, fname, revision=revision)
+            folder = Path(path).parent
+    except Exception as e:  # noqa: BLE001 -- network, auth, missing repo: one line
+        first = (str(e).splitlines() or [""])[0]
+        raise LgvitError(f"hf-hub:{repo_id}: {type(e).__name__}: {first}") from None
+    return create_from_dir(folder, **kwargs)
+
+
+def push_to_hub(
+    model: nn.Module, repo_id: str, private: bool = False, commit_message: str = "Add model"
+) -> str:
+    """Save the model in the hub layout and upload it to ``repo_id``; returns the commit URL."""
+    hub = _hub()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(model, tmp)
+        api = hub.HfApi()
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message)
+    return str(getattr(info, "commit_url", info))
