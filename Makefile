@@ -11,7 +11,7 @@ STAMP := $(VENV)/.lgvit-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,viz]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,viz,export]"
 	touch $(STAMP)
 
 # Trains lsa_micro_cifar on scikit-learn's handwritten digits, then evaluates it: the last line

@@ -86,6 +86,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from lgvit.export import export
+
+    report = export(
+        args.source, args.format, args.out, args.img_size, args.dynamic_batch,
+        args.dynamic_size, args.opset, not args.no_check, args.images or (),
+        log=(lambda m: print(m, file=sys.stderr)) if args.json else print,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from lgvit.config import load_config
     from lgvit.train import train
@@ -239,6 +252,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="with --scaling: fewer, smaller points")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "export", help="ONNX, torch.export (.pt2) or the Hugging Face layout, parity-checked"
+    )
+    p.add_argument(
+        "source",
+        help="a checkpoint (runs/x/best, .safetensors), local-dir:DIR, "
+        "hf-hub:ORG/NAME, or a model name (random weights)",
+    )
+    p.add_argument("--format", required=True, choices=["onnx", "pt2", "hf"])
+    p.add_argument("--out", help="file (onnx, pt2) or folder (hf); default: the model name")
+    p.add_argument("--img-size", type=int, help="default: the checkpoint's or the model's")
+    p.add_argument("--dynamic-batch", action="store_true", help="any batch size")
+    p.add_argument(
+        "--dynamic-size",
+        action="store_true",
+        help="any input height/width the model can take (refused in one line where it cannot)",
+    )
+    p.add_argument("--opset", type=int, help="ONNX opset (default: the exporter's)")
+    p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="skip running the file against eager (max abs diff, latency)",
+    )
+    p.add_argument(
+        "--images",
+        nargs="+",
+        help="check on these images, preprocessed as the model expects (default: random inputs)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_export)
 
     datasets = ["cifar10", "cifar100", "imagefolder", "digits", "synthetic"]
     p = sub.add_parser("train", help="train a model with the papers' DeiT recipe")

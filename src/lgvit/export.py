@@ -1,0 +1,318 @@
+"""``lgvit export``: a model out of PyTorch — ONNX, a ``torch.export`` program (``.pt2``) or the
+Hugging Face hub layout — with its preprocessing in the file and a parity check against eager.
+
+ONNX goes through ``torch.onnx.export(dynamo=True)`` (needs ``onnx`` and ``onnxscript``; the
+check runs the file in ``onnxruntime``): ``pip install 'lgvit[export]'``. The metadata (model
+name, input size, mean/std, crop, interpolation, class names) is written into the ONNX file's
+``metadata_props`` and into the ``.pt2`` archive as ``extra/lgvit.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lgvit.errors import LgvitError
+
+FORMATS = ("onnx", "pt2", "hf")
+TOLERANCE = 1e-4  # max abs logit difference accepted by --check (fp32 reorderings: ~1e-6)
+_SUFFIX = {"onnx": ".onnx", "pt2": ".pt2", "hf": ""}
+
+
+def load_source(source: str, img_size: int | None = None) -> tuple[nn.Module, bool]:
+    """``(eval-mode CPU model, has_trained_weights)`` from a registered name (random weights),
+    ``local-dir:``/``hf-hub:``, or a checkpoint (``runs/x/best``, ``.safetensors``)."""
+    from lgvit.inference import load_model
+    from lgvit.models import create_model, is_model
+
+    kwargs = {"img_size": img_size} if img_size else {}
+    try:
+        if is_model(source):
+            return create_model(source, **kwargs).eval(), False
+        if source.startswith(("local-dir:", "hf-hub:")):
+            return create_model(source, **kwargs).eval(), True
+    except ValueError as e:
+        raise LgvitError(f"{source}: {e}") from None
+    near = (source + s for s in ("", ".safetensors", ".pt", ".pth"))
+    if os.sep not in source and not any(Path(f).exists() for f in near):
+        raise LgvitError(f"{source!r} is neither a registered model nor a checkpoint path")
+    return load_model(source, "cpu", img_size=img_size).eval(), True
+
+
+def metadata(model: nn.Module) -> dict[str, str]:
+    cfg = model.pretrained_cfg
+    meta = {
+        "lgvit_model": getattr(model, "model_name", ""),
+        "input_size": json.dumps(list(cfg["input_size"])),
+        "mean": json.dumps(list(cfg["mean"])),
+        "std": json.dumps(list(cfg["std"])),
+        "crop_pct": str(cfg.get("crop_pct")),
+        "interpolation": str(cfg.get("interpolation")),
+        "num_classes": str(getattr(model, "num_classes", "")),
+    }
+    if cfg.get("label_names"):
+        meta["label_names"] = json.dumps(cfg["label_names"])
+    return meta
+
+
+def _need(*modules: str) -> None:
+    missing = []
+    for m in modules:
+        try:
+            __import__(m)
+        except ImportError:
+            missing.append(m)
+    if missing:
+        raise LgvitError(
+            f"ONNX export needs {', '.join(missing)}, which is not installed: "
+            "pip install 'lgvit[export]'"
+        )
+
+
+def _dynamic_shapes(dynamic_batch: bool, dynamic_size: bool) -> Any:
+    if not (dynamic_batch or dynamic_size):
+        return None
+    dims: dict[int, Any] = {}
+    if dynamic_batch:
+        dims[0] = torch.export.Dim("batch", min=1, max=4096)
+    if dynamic_size:
+        dims[2] = dims[3] = torch.export.Dim.DYNAMIC  # an error if the model fixes them
+    return ({**dims},)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The exporters print progress lines and log warnings (missing torchvision ops): hide
+    them; errors still raise."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _native_stderr_hidden():
+    """onnxruntime logs a failed run from C++ straight to file descriptor 2; the failure
+    reaches the user as one line anyway."""
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and ln.strip()[0] != "-"]
+    keys = ("Constraints violated", "Cannot", "Error:", "not supported", "unhashable")
+    useful = [ln for ln in lines if any(k in ln for k in keys)]
+    return (useful or lines or [type(e).__name__])[0][:240]
+
+
+def write(
+    model: nn.Module,
+    fmt: str,
+    out: Path,
+    dynamic_batch: bool = False,
+    dynamic_size: bool = False,
+    opset: int | None = None,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Export ``model`` to ``out``; returns a function running the exported file."""
+    name = getattr(model, "model_name", type(model).__name__)
+    size = tuple(model.pretrained_cfg["input_size"])
+    example = torch.randn(2 if dynamic_batch else 1, *size)
+    shapes = _dynamic_shapes(dynamic_batch, dynamic_size)
+    if dynamic_size and hasattr(model, "dynamic_img_size"):
+        model.dynamic_img_size = True  # position embeddings resized inside the graph
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "hf":
+        from lgvit.models import create_model
+
+        model.save_pretrained(out)
+        loaded = create_model(f"local-dir:{out}").eval()
+        return lambda x: loaded(x)
+    try:
+        with _quiet():
+            if fmt == "pt2":
+                program = torch.export.export(model, (example,), dynamic_shapes=shapes)
+                torch.export.save(
+                    program, str(out), extra_files={"lgvit.json": json.dumps(metadata(model))}
+                )
+            else:
+                _need("onnx", "onnxscript")
+                kwargs = {"opset_version": opset} if opset else {}
+                torch.onnx.export(
+                    model, (example,), str(out), dynamo=True, dynamic_shapes=shapes,
+                    input_names=["image"], output_names=["logits"], external_data=False,
+                    **kwargs,
+                )  # fmt: skip
+    except LgvitError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- an exporter failure is one line naming the model
+        what = "with a dynamic height/width" if dynamic_size else f"to {fmt}"
+        raise LgvitError(f"{name} cannot be exported {what}: {_first_line(e)}") from None
+    run = _runner(model, fmt, out)
+    if dynamic_size:  # the exporters may keep the size symbolic yet fix the token grid
+        probe = torch.randn(1, size[0], 2 * size[1], 2 * size[2])
+        try:
+            with torch.inference_mode(), _native_stderr_hidden():
+                run(probe)
+        except Exception as e:  # noqa: BLE001
+            out.unlink(missing_ok=True)
+            raise LgvitError(
+                f"{name} cannot be exported with a dynamic height/width: the exported graph "
+                f"fixes its token grid ({_first_line(e)})"
+            ) from None
+    return run
+
+
+def _runner(model: nn.Module, fmt: str, out: Path) -> Callable[[torch.Tensor], torch.Tensor]:
+    if fmt == "pt2":
+        program = torch.export.load(str(out))
+        module = program.module()
+        return lambda x: module(x)
+    import onnx
+
+    proto = onnx.load(str(out))
+    for key, value in metadata(model).items():
+        proto.metadata_props.add(key=key, value=value)
+    onnx.save(proto, str(out))
+    _need("onnxruntime")
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)  # errors reach the user as one line, not a C++ log
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 3
+    return lambda x: torch.from_numpy(session.run(None, {"image": x.numpy()}, quiet)[0])
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def check(
+    model: nn.Module,
+    run: Callable[[torch.Tensor], torch.Tensor],
+    batches: Sequence[torch.Tensor],
+) -> list[dict[str, Any]]:
+    """Max abs difference to eager and the latency of both, per input batch."""
+    rows = []
+    for x in batches:
+        with torch.inference_mode():
+            ref = model(x)
+            got = run(x)
+            rows.append(
+                dict(
+                    batch=x.shape[0],
+                    size=tuple(x.shape[-2:]),
+                    max_abs_diff=float((got - ref).abs().max()),
+                    eager_ms=_median_ms(lambda x=x: model(x)),
+                    exported_ms=_median_ms(lambda x=x: run(x)),
+                )
+            )
+    return rows
+
+
+def preprocessed_images(model: nn.Module, paths: Sequence[str]) -> torch.Tensor:
+    from lgvit.data.datasets import read_image_rgb
+    from lgvit.data.transforms import normalize, resize_center_crop
+
+    cfg = model.pretrained_cfg
+    size = cfg["input_size"][-1]
+    imgs = [read_image_rgb(p) for p in paths]
+    x = torch.cat([resize_center_crop(i[None], size, crop_pct=cfg["crop_pct"]) for i in imgs])
+    return normalize(x, tuple(cfg["mean"]), tuple(cfg["std"]))
+
+
+def export(
+    source: str,
+    fmt: str,
+    out: str | None = None,
+    img_size: int | None = None,
+    dynamic_batch: bool = False,
+    dynamic_size: bool = False,
+    opset: int | None = None,
+    run_check: bool = True,
+    images: Sequence[str] = (),
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Export ``source`` and (``run_check``) compare the file with eager; returns a report."""
+    if fmt not in FORMATS:
+        raise LgvitError(f"--format {fmt!r}: choose onnx, pt2 or hf")
+    if fmt == "onnx":
+        _need("onnx", "onnxscript", "onnxruntime")
+    model, trained = load_source(source, img_size)
+    name = model.model_name
+    if not trained:
+        warnings.warn(f"{name} has random weights (pass a checkpoint to export one)", stacklevel=2)
+    path = Path(out or f"{name}{_SUFFIX[fmt]}")
+    run = write(model, fmt, path, dynamic_batch, dynamic_size, opset)
+    report: dict[str, Any] = {"model": name, "format": fmt, "file": str(path), "checks": []}
+    log(f"wrote {path}")
+    if not run_check:
+        return report
+    size = tuple(model.pretrained_cfg["input_size"])
+    torch.manual_seed(0)
+    if images:
+        real = preprocessed_images(model, images)
+        batches = [real[:1]] + ([real] if dynamic_batch and len(real) > 1 else [])
+    else:
+        batches = [torch.randn(1, *size)] + ([torch.randn(4, *size)] if dynamic_batch else [])
+    if dynamic_size:
+        big = (size[0], size[1] * 2, size[2] * 2)
+        batches.append(torch.randn(batches[-1].shape[0], *big))
+    try:
+        rows = check(model, run, batches)
+    except Exception as e:  # noqa: BLE001 -- e.g. the exported file refusing a shape
+        raise LgvitError(f"{path}: the exported model failed to run: {_first_line(e)}") from None
+    report["checks"] = rows
+    for r in rows:
+        log(
+            f"  batch {r['batch']} at {r['size'][0]}x{r['size'][1]}: max abs diff "
+            f"{r['max_abs_diff']:.2e}; eager {r['eager_ms']:.1f} ms, "
+            f"{fmt} {r['exported_ms']:.1f} ms"
+        )
+    worst = max(r["max_abs_diff"] for r in rows)
+    if not worst <= TOLERANCE:
+        raise LgvitError(
+            f"{path}: exported outputs differ from eager by {worst:.2e} (> {TOLERANCE:g})"
+        )
+    return report
+
+
+def file_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The preprocessing metadata stored in an exported ``.onnx`` or ``.pt2`` file."""
+    p = Path(path)
+    if p.suffix == ".onnx":
+        import onnx
+
+        return {m.key: m.value for m in onnx.load(str(p), load_external_data=False).metadata_props}
+    extra = {"lgvit.json": ""}
+    torch.export.load(str(p), extra_files=extra)
+    return json.loads(extra["lgvit.json"])
