@@ -22,7 +22,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import multiprocessing as mp
 import statistics
 import textwrap
 from collections.abc import Callable, Sequence
@@ -42,6 +41,7 @@ from lgvit.measure import (
     peak_rss_mb,
     reset_peak_rss,
     rss_mb,
+    run_in_fresh_process,
     timed,
 )
 from lgvit.models import create_model, get_model_config, is_model, list_models
@@ -74,12 +74,6 @@ def resolve_names(patterns: Sequence[str]) -> list[str]:
             raise LgvitError(f"unknown model {p!r}; `lgvit info` lists them all")
         names += [n for n in found if n not in names]
     return names
-
-
-def resolve_precision(amp: str, device: torch.device) -> torch.dtype | None:
-    from lgvit.train import resolve_amp
-
-    return resolve_amp(amp, device)
 
 
 def _one_line(e: BaseException) -> str:
@@ -130,27 +124,24 @@ def paper_columns(name: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ memory probe
 
 
-def _probe_worker(conn, name, img_size, batch, train, amp, compile_, threads) -> None:  # noqa: ANN001
-    try:
-        import gc
+def _probe(name, img_size, batch, train, amp, compile_, threads) -> float:  # noqa: ANN001
+    import gc
 
-        from lgvit.runtime import tune_cpu_allocator
+    from lgvit.runtime import tune_cpu_allocator
 
-        torch.set_num_threads(threads)
-        tune_cpu_allocator()  # the allocator lgvit's commands run with
-        torch.manual_seed(0)
-        model = build_model(name, img_size, "cpu")
-        if compile_:
-            model = torch.compile(model)
-        step = make_step(model, _input_size(name, img_size), batch, train, amp)
-        gc.collect()
-        base = rss_mb()
-        reset_peak_rss()
-        step()  # the first step allocates the optimizer's state: part of training memory
-        step()
-        conn.send(("ok", peak_rss_mb() - base))
-    except BaseException as e:  # noqa: BLE001 -- reported as the row's reason
-        conn.send(("error", _one_line(e)))
+    torch.set_num_threads(threads)
+    tune_cpu_allocator()  # the allocator lgvit's commands run with
+    torch.manual_seed(0)
+    model = build_model(name, img_size, "cpu")
+    if compile_:
+        model = torch.compile(model)
+    step = make_step(model, _input_size(name, img_size), batch, train, amp)
+    gc.collect()
+    base = rss_mb()
+    reset_peak_rss()
+    step()  # the first step allocates the optimizer's state: part of training memory
+    step()
+    return peak_rss_mb() - base
 
 
 def cpu_peak_memory_mb(
@@ -167,27 +158,9 @@ def cpu_peak_memory_mb(
 
     Raises ``RuntimeError`` with the reason when the child fails or dies (e.g. out of memory).
     """
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
     threads = threads or torch.get_num_threads()
-    args = (child, name, img_size, batch, train, amp, compile_, threads)
-    proc = ctx.Process(target=_probe_worker, args=args, daemon=True)
-    proc.start()
-    child.close()
-    msg = parent.recv() if parent.poll(timeout_s) else None
-    proc.join(10)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    if msg is None:
-        code = proc.exitcode
-        why = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-        hint = " (killed: out of memory?)" if code == -9 else ""
-        raise RuntimeError(f"memory probe process died with {why}{hint}")
-    status, value = msg
-    if status != "ok":
-        raise RuntimeError(value)
-    return float(value)
+    args = (name, img_size, batch, train, amp, compile_, threads)
+    return float(run_in_fresh_process(_probe, args, timeout_s))
 
 
 def cuda_peak_memory_mb(step: Callable[[], None], device: torch.device) -> float:
@@ -223,7 +196,9 @@ def run_bench(
         raise LgvitError("--device cuda: CUDA is not available on this machine")
     if opts.batch_size < 1 or opts.rounds < 1:
         raise LgvitError("--batch-size and --rounds must be at least 1")
-    amp = resolve_precision(opts.amp, device)
+    from lgvit.train import resolve_amp
+
+    amp = resolve_amp(opts.amp, device)
     precision = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp]
     kinds = ["infer", "train"] if opts.train else ["infer"]
     log(f"lgvit bench: {len(names)} models, {describe_machine(device)}, {precision}")

@@ -160,22 +160,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     import torch
 
-    from lgvit.data.datasets import read_image_rgb
-    from lgvit.data.transforms import normalize, resize_center_crop
-    from lgvit.inference import load_model
+    from lgvit.inference import load_model, preprocess_images
 
     model = load_model(args.checkpoint, args.device, args.model, args.img_size)
     device = next(model.parameters()).device
-    cfg = model.pretrained_cfg  # the checkpoint's class names and normalisation
-    size = model.img_size[0]
-    classes = cfg.get("label_names")
-    mean, std = tuple(cfg["mean"]), tuple(cfg["std"])
+    classes = model.pretrained_cfg.get("label_names")  # the checkpoint's class names
     results = []
     for path in args.images:
-        img = read_image_rgb(path)  # uint8 (3, H, W); LgvitError on unreadable files
-        x = resize_center_crop(img[None], size, crop_pct=cfg["crop_pct"])
+        x = preprocess_images(model, [path])  # its normalisation; LgvitError if unreadable
         with torch.no_grad():
-            probs = model(normalize(x, mean, std).to(device)).softmax(-1)[0].cpu()
+            probs = model(x.to(device)).softmax(-1)[0].cpu()
         top = probs.topk(min(args.topk, len(probs)))
         labels = [classes[i] if classes else str(i) for i in top.indices.tolist()]
         results.append(

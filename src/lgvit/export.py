@@ -239,17 +239,6 @@ def check(
     return rows
 
 
-def preprocessed_images(model: nn.Module, paths: Sequence[str]) -> torch.Tensor:
-    from lgvit.data.datasets import read_image_rgb
-    from lgvit.data.transforms import normalize, resize_center_crop
-
-    cfg = model.pretrained_cfg
-    size = cfg["input_size"][-1]
-    imgs = [read_image_rgb(p) for p in paths]
-    x = torch.cat([resize_center_crop(i[None], size, crop_pct=cfg["crop_pct"]) for i in imgs])
-    return normalize(x, tuple(cfg["mean"]), tuple(cfg["std"]))
-
-
 def export(
     source: str,
     fmt: str,
@@ -280,7 +269,9 @@ def export(
     size = tuple(model.pretrained_cfg["input_size"])
     torch.manual_seed(0)
     if images:
-        real = preprocessed_images(model, images)
+        from lgvit.inference import preprocess_images
+
+        real = preprocess_images(model, images)
         batches = [real[:1]] + ([real] if dynamic_batch and len(real) > 1 else [])
     else:
         batches = [torch.randn(1, *size)] + ([torch.randn(4, *size)] if dynamic_batch else [])

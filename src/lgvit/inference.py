@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn as nn
 
@@ -63,3 +65,18 @@ def load_model(
     except ValueError as e:
         raise LgvitError(f"model {name} from {checkpoint}: {e}") from None
     return model.to(resolve_device(device)).eval()
+
+
+def preprocess_images(model: nn.Module, paths: Sequence[str]) -> torch.Tensor:
+    """Image files -> the normalised ``(N, C, H, W)`` batch ``model`` expects: resize and
+    centre crop by its ``crop_pct``, its mean/std (those it was trained with, for a model
+    from a checkpoint). An unreadable file is an :class:`LgvitError` naming it."""
+    from lgvit.data.datasets import read_image_rgb
+    from lgvit.data.transforms import normalize, resize_center_crop
+
+    cfg = model.pretrained_cfg
+    size = cfg["input_size"][-2]
+    crops = [
+        resize_center_crop(read_image_rgb(p)[None], size, crop_pct=cfg["crop_pct"]) for p in paths
+    ]
+    return normalize(torch.cat(crops), tuple(cfg["mean"]), tuple(cfg["std"]))

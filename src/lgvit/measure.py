@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import re
 import resource
 import statistics
@@ -40,9 +41,16 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int], batch: int = 
     x = torch.zeros(batch, *input_size, device=p.device, dtype=p.dtype)
     was_training = model.training
     model.eval()
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        model(x)
+    macs = count_macs_of(lambda: model(x))
     model.train(was_training)
+    return macs
+
+
+def count_macs_of(fn: Callable[[], Any]) -> int:
+    """Multiply-accumulates of ``fn()`` as :func:`count_macs` counts them (attention through
+    SDPA's math backend so it is counted; meta tensors are fine)."""
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        fn()
     return counter.get_total_flops() // 2
 
 
@@ -145,6 +153,37 @@ def make_step(
 
 
 # ------------------------------------------------------------------------------ CPU memory
+
+
+def _child(conn, target: Callable[..., Any], args: tuple) -> None:  # noqa: ANN001
+    try:
+        conn.send(("ok", target(*args)))
+    except BaseException as e:  # noqa: BLE001 -- sent back as the reason
+        conn.send(("error", f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]))
+
+
+def run_in_fresh_process(target: Callable[..., Any], args: tuple, timeout_s: float = 3600) -> Any:
+    """``target(*args)`` in a freshly spawned process (its own peak memory, nothing inherited);
+    returns its result. A failure or a dead child is a ``RuntimeError`` with the reason."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, target, args), daemon=True)
+    proc.start()
+    child.close()
+    msg = parent.recv() if parent.poll(timeout_s) else None
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    if msg is None:
+        code = proc.exitcode
+        why = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        hint = " (killed: out of memory?)" if code == -9 else ""
+        raise RuntimeError(f"child process died with {why}{hint}")
+    status, value = msg
+    if status != "ok":
+        raise RuntimeError(value)
+    return value
 
 
 def _status_kb(field: str) -> int | None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import csv
 import math
-import multiprocessing as mp
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,11 +30,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 
 from lgvit.errors import LgvitError
-from lgvit.measure import describe_machine, peak_rss_mb, reset_peak_rss, rss_mb, timed
+from lgvit.measure import (
+    count_macs_of,
+    describe_machine,
+    peak_rss_mb,
+    reset_peak_rss,
+    rss_mb,
+    run_in_fresh_process,
+    timed,
+)
 
 Run = Callable[[], Any]
 
@@ -162,50 +167,36 @@ STUDIES: dict[str, tuple[Study, Callable[[str, int], Run]]] = {
 def _macs(case: Callable[[str, int], Run], curve: str, x: int) -> int:
     with torch.device("meta"):
         run = case(curve, x)
-    with torch.inference_mode(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as c:
-        run()
-    return c.get_total_flops() // 2
+    return count_macs_of(run)
 
 
-def _memory_worker(conn, kind: str, curve: str, xs: Sequence[int], threads: int) -> None:  # noqa: ANN001
-    try:
-        torch.set_num_threads(threads)
-        case = STUDIES[kind][1]
-        with torch.inference_mode():  # first-call allocations (thread pools, kernel caches)
-            case(curve, xs[0])()  # belong to no point
-        out = []
-        for x in xs:
-            run = case(curve, x)
-            base = rss_mb()
-            reset_peak_rss()
-            with torch.inference_mode():
-                run()
-                run()
-            out.append(peak_rss_mb() - base)
-            del run
-        conn.send(("ok", out))
-    except BaseException as e:  # noqa: BLE001
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+def _memory_points(kind: str, curve: str, xs: Sequence[int], threads: int) -> list[float]:
+    torch.set_num_threads(threads)
+    case = STUDIES[kind][1]
+    with torch.inference_mode():  # first-call allocations (thread pools, kernel caches)
+        case(curve, xs[0])()  # belong to no point
+    out = []
+    for x in xs:
+        run = case(curve, x)
+        base = rss_mb()
+        reset_peak_rss()
+        with torch.inference_mode():
+            run()
+            run()
+        out.append(peak_rss_mb() - base)
+        del run
+    return out
 
 
 def _memory_curve(kind: str, curve: str, xs: Sequence[int]) -> list[float | None]:
     """Peak MB per point, in a fresh process (default allocator, so freed blocks return)."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(
-        target=_memory_worker,
-        args=(child, kind, curve, list(xs), torch.get_num_threads()),
-        daemon=True,
-    )
-    proc.start()
-    child.close()
-    msg = parent.recv() if parent.poll(3600) else None
-    proc.join(10)
-    if msg is None or msg[0] != "ok":
-        why = msg[1] if msg else f"exit status {proc.exitcode}"
-        print(f"lgvit bench --scaling: memory of {curve} not measured: {why}")
+    try:
+        return run_in_fresh_process(
+            _memory_points, (kind, curve, list(xs), torch.get_num_threads())
+        )
+    except RuntimeError as e:
+        print(f"lgvit bench --scaling: memory of {curve} not measured: {e}")
         return [None] * len(xs)
-    return msg[1]
 
 
 def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> float:
