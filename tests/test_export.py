@@ -18,6 +18,7 @@ from lgvit.errors import LgvitError
 
 pytest.importorskip("onnxruntime", reason="the export extra is not installed")
 pytest.importorskip("onnxscript", reason="the export extra is not installed")
+onnx = pytest.importorskip("onnx", reason="the export extra is not installed")
 
 FAMILIES = [("lsa_micro_cifar", 32), ("localvit_tiny", 32), ("lit_ti", 64)]
 
@@ -34,15 +35,58 @@ def test_every_family_exports_with_a_dynamic_batch(name, size, fmt, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # one file, no side data
     meta = ex.file_metadata(out)
     assert meta["lgvit_model"] == name and json.loads(meta["input_size"]) == [3, size, size]
+    if fmt == "onnx":  # BatchNorm (LocalViT's FFN, LIT's merging) is folded into the convs
+        ops = {n.op_type for n in onnx.load(str(out)).graph.node}
+        assert "BatchNormalization" not in ops and "Sqrt" not in ops
+
+
+def _run_at_sizes(name, fmt, tmp_path, sizes, **kwargs):
+    """Export ``name`` with a dynamic batch, height and width; max abs diff to eager per size."""
+    model = lgvit.create_model(name, **kwargs).eval()
+    run = ex.write(model, fmt, tmp_path / f"m.{fmt}", dynamic_batch=True, dynamic_size=True)
+    rows = ex.check(model, run, [torch.randn(b, 3, h, w) for b, h, w in sizes])
+    return [r["max_abs_diff"] for r in rows]
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, fmt",
+    [
+        ("lsa_micro_cifar", {}, "onnx"),
+        ("lsa_micro_cifar", {}, "pt2"),
+        (
+            "lsa_tiny_cifar_c",
+            dict(dims=(32, 48, 64), depths=(2, 1, 1), num_heads=(1, 1, 1)),
+            "onnx",
+        ),
+        ("localvit_tiny", dict(img_size=32), "onnx"),
+        ("lit_ti", dict(img_size=64), "onnx"),
+    ],
+)
+def test_dynamic_size_runs_at_other_sizes(name, kwargs, fmt, tmp_path):
+    # The LSA shift index is computed in the graph and every position embedding / relative
+    # bias table resized there: other sizes (non-square, smaller) match eager.
+    sizes = (
+        [(1, 32, 32), (3, 48, 64), (2, 40, 24)]
+        if "lit" not in name
+        else [(1, 64, 64), (2, 96, 128)]
+    )
+    assert max(_run_at_sizes(name, fmt, tmp_path, sizes, **kwargs)) < 1e-5
+
+
+def test_swin_windows_export_to_onnx_and_refuse_a_dynamic_size(tmp_path):
+    small = dict(img_size=64, window_size=2, embed_dim=24, num_heads=(1, 2, 3, 4))
+    model = lgvit.create_model("swin_tiny", **small).eval()
+    run = ex.write(model, "onnx", tmp_path / "s.onnx", dynamic_batch=True)
+    rows = ex.check(model, run, [torch.randn(1, 3, 64, 64), torch.randn(3, 3, 64, 64)])
+    assert max(r["max_abs_diff"] for r in rows) < 1e-5
+    with pytest.raises(LgvitError, match="swin_tiny cannot be exported with a dynamic") as e:
+        ex.write(model, "onnx", tmp_path / "d.onnx", dynamic_size=True)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "d.onnx").exists()
 
 
 @pytest.mark.filterwarnings("ignore:.*random weights")
 def test_refusals_are_one_line(tmp_path):
-    with pytest.raises(LgvitError, match="lsa_micro_cifar cannot be exported with a dynamic"):
-        ex.export("lsa_micro_cifar", "pt2", str(tmp_path / "a.pt2"), dynamic_size=True)
-    with pytest.raises(LgvitError, match="localvit_tiny cannot be exported with a dynamic"):
-        ex.export("localvit_tiny", "pt2", str(tmp_path / "b.pt2"), img_size=32, dynamic_size=True)
-    assert not list(tmp_path.iterdir())  # nothing half-usable left behind
     with pytest.raises(LgvitError, match="neither a registered model nor a checkpoint"):
         ex.export("lsa_mikro", "onnx")
 

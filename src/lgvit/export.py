@@ -141,6 +141,10 @@ def write(
     size = tuple(model.pretrained_cfg["input_size"])
     example = torch.randn(2 if dynamic_batch else 1, *size)
     shapes = _dynamic_shapes(dynamic_batch, dynamic_size)
+    reasons = [getattr(m, "fixed_grid_reason", None) for m in model.modules()]
+    if dynamic_size and any(reasons) and fmt != "hf":
+        why = next(r for r in reasons if r)
+        raise LgvitError(f"{name} cannot be exported with a dynamic height/width: {why}")
     if dynamic_size and hasattr(model, "dynamic_img_size"):
         model.dynamic_img_size = True  # position embeddings resized inside the graph
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -151,7 +155,9 @@ def write(
         loaded = create_model(f"local-dir:{out}").eval()
         return lambda x: loaded(x)
     try:
-        with _quiet():
+        with _quiet(), warnings.catch_warnings():
+            # Mask / index caches filled while tracing are plain attributes by design.
+            warnings.filterwarnings("ignore", message=".*were assigned during export")
             if fmt == "pt2":
                 program = torch.export.export(model, (example,), dynamic_shapes=shapes)
                 torch.export.save(

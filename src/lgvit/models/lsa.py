@@ -52,6 +52,7 @@ from lgvit.models.layers import (
     conv_out_size,
     drop_path_schedule,
     init_vit_weights,
+    is_symbolic,
     map_to_tokens,
     multihead_sdpa,
     per_stage,
@@ -92,10 +93,13 @@ def _shifted_coords(coord: torch.Tensor, shift: torch.Tensor, size: int, mode: s
     image translation with reflection padding).
     """
     src = coord - shift
+    # The size as a 0-dim tensor: a symbolic size (dynamic-size export) must not be a scalar
+    # operand, which the ONNX exporter cannot translate for remainder.
+    n = torch.scalar_tensor(size, dtype=src.dtype)
     if mode == "circular":
-        return src % size
+        return torch.remainder(src, n)
     src = torch.where(src < 0, -src, src)
-    return torch.where(src >= size, 2 * (size - 1) - src, src)
+    return torch.where(src >= n, 2 * (n - 1) - src, src)
 
 
 def shift_patch_index(
@@ -114,9 +118,9 @@ def shift_patch_index(
     zero) of the pixel that tap (ky, kx) of output position n reads in copy t, after zero
     padding by ``padding`` -- exactly what ``conv2d(shift(x, t), padding=padding)`` sees.
     """
-    sh = torch.tensor(shifts, dtype=torch.long)
-    if mode == "reflect" and sh.abs().max() >= min(height, width):
+    if mode == "reflect" and max(abs(v) for s in shifts for v in s) >= min(height, width):
         raise ValueError(f"a shift as large as the image ({height}x{width}) cannot reflect")
+    sh = torch.tensor(shifts, dtype=torch.long)
     h = conv_out_size(height, kernel, stride, padding)
     w = conv_out_size(width, kernel, stride, padding)
     k = torch.arange(kernel)
@@ -181,9 +185,14 @@ class ShiftEmbedding(nn.Module):
         self._index_cache: dict[tuple[int, int, str], tuple[torch.Tensor, tuple[int, int]]] = {}
 
     def _index(self, H: int, W: int, device: torch.device) -> tuple[torch.Tensor, tuple[int, int]]:
+        k, s, p = self.kernel_size, self.stride, self.padding
+        if is_symbolic((H, W)):
+            # torch.export with a dynamic height/width: the index is part of the graph, built
+            # from the symbolic sizes with tensor ops (a fixed size keeps it a constant).
+            idx, grid = shift_patch_index(self.shifts, H, W, k, s, p, self.in_chans, self.mode)
+            return idx.to(device), grid
         key = (H, W, str(device))
         if key not in self._index_cache:
-            k, s, p = self.kernel_size, self.stride, self.padding
             idx, grid = shift_patch_index(self.shifts, H, W, k, s, p, self.in_chans, self.mode)
             self._index_cache[key] = (idx.to(device), grid)
         return self._index_cache[key]
@@ -538,7 +547,7 @@ class LocallyShiftedViT(StagedViT):
         """Image -> shift embedding (+ position) -> local block: stage 1's first tokens."""
         self.check_input(x)
         x0, variants, grid = self.patch_embed(x, self.shifted)  # (B, N, C), (T, B, N, C)
-        if grid != self.grids[0] and not self.dynamic_img_size:
+        if not self.dynamic_img_size and grid != self.grids[0]:
             raise ValueError(
                 f"input {x.shape[-2]}x{x.shape[-1]} gives a {grid[0]}x{grid[1]} token "
                 f"grid but the model was built for {self.img_size[0]}x{self.img_size[1]} "

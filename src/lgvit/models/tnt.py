@@ -27,6 +27,7 @@ from lgvit.models.layers import (
     Grid,
     Mlp,
     drop_path_schedule,
+    grid_differs,
     init_vit_weights,
     register_resize_on_load,
     resize_pos_embed,
@@ -155,7 +156,7 @@ class TNT(StagedViT):
         patches = self.norm2_proj(self.proj(self.norm1_proj(pixels.reshape(B, hw[0] * hw[1], -1))))
         patches = torch.cat([self.cls_token.expand(B, -1, -1).to(patches.dtype), patches], dim=1)
         pos = self.patch_pos
-        if tuple(hw) != self.grid:
+        if grid_differs(hw, self.grid):
             pos = resize_pos_embed(pos, self.grid, hw, 1)
         return (pixels, self.pos_drop(patches + pos)), hw
 

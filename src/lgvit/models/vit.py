@@ -25,6 +25,7 @@ from lgvit.models.layers import (
     PatchEmbed,
     default_norm,
     drop_path_schedule,
+    grid_differs,
     init_vit_weights,
     register_resize_on_load,
     resize_pos_embed,
@@ -135,7 +136,7 @@ class VisionTransformer(StagedViT):
         self.check_input(x)
         x, hw = self.patch_embed(x)
         pos = self.pos_embed
-        if tuple(hw) != self.grid:
+        if grid_differs(hw, self.grid):
             if not self.dynamic_img_size:
                 raise ValueError(
                     f"input {x.shape[-2]}x{x.shape[-1]} gives a {hw[0]}x{hw[1]} token grid but "

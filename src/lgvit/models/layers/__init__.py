@@ -30,7 +30,9 @@ from lgvit.models.layers.merge import PatchMerging
 from lgvit.models.layers.mlp import Mlp
 from lgvit.models.layers.patch_embed import PatchEmbed
 from lgvit.models.layers.pos_embed import (
+    grid_differs,
     grid_from_tokens,
+    is_symbolic,
     register_resize_on_load,
     resize_pos_embed,
     resize_rel_pos_table,
@@ -74,6 +76,8 @@ __all__ = [
     "register_resize_on_load",
     "relative_position_index",
     "resize_pos_embed",
+    "grid_differs",
+    "is_symbolic",
     "resize_rel_pos_table",
     "run_block",
     "shifted_window_mask",

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lgvit.models.layers.helpers import Grid, to_2tuple, tokens_to_map
-from lgvit.models.layers.pos_embed import grid_of_rel_table, resize_rel_pos_table
+from lgvit.models.layers.pos_embed import grid_differs, grid_of_rel_table, resize_rel_pos_table
 from lgvit.models.layers.weight_init import trunc_normal_
 
 LN_EPS = 1e-6  # DeiT / the LSA authors' LayerNorm epsilon
@@ -50,7 +50,11 @@ def multihead_sdpa(
     if attn_mask is not None:
         mask = attn_mask.expand(*attn_mask.shape[:-3], num_heads, N, M)
         attn_mask = mask.reshape(*mask.shape[:-3], kvh, g * N, M).to(q.dtype)
-    if q.device.type == "cpu" and q.dtype != torch.float32 and torch.is_grad_enabled():
+    if (q.device.type == "cpu" and q.dtype != torch.float32 and torch.is_grad_enabled()) or (
+        attn_mask is not None and torch.compiler.is_exporting()
+    ):
+        # Exporting with a mask (Swin windows): the fused CPU kernel's output layout makes the
+        # ONNX exporter's decomposition record a view its own graph cannot take.
         x = _explicit_attention(q, k, v, attn_mask, dropout_p, scale)
     else:
         x = F.scaled_dot_product_attention(
@@ -112,7 +116,7 @@ class RelativePositionBias(nn.Module):
         """``(heads, N, N)`` bias for the built grid, or for ``hw`` (another input size): then
         the table is resized, bicubic, on the fly."""
         table, index = self.relative_position_bias_table, self.relative_position_index
-        if hw is not None and tuple(hw) != self.grid:
+        if hw is not None and grid_differs(hw, self.grid):
             table = resize_rel_pos_table(table, self.grid, hw)
             index = relative_position_index(*hw).to(table.device)
         n = index.shape[0]

@@ -24,6 +24,18 @@ def grid_from_tokens(n: int) -> Grid:
     return side, side
 
 
+def is_symbolic(grid: Grid) -> bool:
+    """Whether a grid holds symbolic sizes (``torch.export`` with a dynamic height/width)."""
+    return any(isinstance(g, torch.SymInt) for g in grid)
+
+
+def grid_differs(grid: Grid, built: Grid) -> bool:
+    """Whether tokens on ``grid`` need embeddings resized from ``built``. A symbolic grid always
+    does: an exported graph must resize inside itself rather than fix the size it was traced at
+    (comparing would specialise the symbol)."""
+    return is_symbolic(grid) or tuple(grid) != tuple(built)
+
+
 def resize_pos_embed(
     pos: torch.Tensor,
     old_grid: Grid,
@@ -36,7 +48,7 @@ def resize_pos_embed(
     Prefix-token rows (a class token's) are kept as they are; the grid rows are interpolated
     (``bicubic``, or ``bilinear`` as LIT's dense-prediction code does), in float32.
     """
-    if tuple(old_grid) == tuple(new_grid):
+    if not grid_differs(new_grid, old_grid):
         return pos
     lead, (n, c) = pos.shape[:-2], pos.shape[-2:]
     if n != num_prefix_tokens + old_grid[0] * old_grid[1]:
@@ -53,7 +65,7 @@ def resize_pos_embed(
 def resize_rel_pos_table(table: torch.Tensor, old_grid: Grid, new_grid: Grid) -> torch.Tensor:
     """Resize a relative-position bias table ``((2H-1)(2W-1), heads)`` to another grid (bicubic,
     as Swin's and LIT's fine-tuning code does)."""
-    if tuple(old_grid) == tuple(new_grid):
+    if not grid_differs(new_grid, old_grid):
         return table
     old = (2 * old_grid[0] - 1, 2 * old_grid[1] - 1)
     if table.shape[0] != old[0] * old[1]:

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from lgvit.models.layers.helpers import Grid
-from lgvit.models.layers.pos_embed import register_resize_on_load, resize_pos_embed
+from lgvit.models.layers.pos_embed import grid_differs, register_resize_on_load, resize_pos_embed
 from lgvit.models.layers.weight_init import trunc_normal_
 
 
@@ -95,7 +95,7 @@ class Stage(nn.Module):
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
         if self.pos_embed is not None:
             pos = self.pos_embed
-            if tuple(hw) != self.grid:
+            if grid_differs(hw, self.grid):
                 pos = resize_pos_embed(
                     pos, self.grid, hw, self.num_prefix_tokens, self.pos_resize_mode
                 )

@@ -44,6 +44,12 @@ class WindowAttention(Attention):
     """:class:`Attention` inside non-overlapping ``window x window`` windows, optionally
     cyclically shifted by ``shift`` (Swin), with a relative-position bias over the window."""
 
+    # Why an exported graph cannot take other input sizes (``lgvit export --dynamic-size``).
+    fixed_grid_reason = (
+        "window attention needs every stage's token grid to be a multiple of the window; "
+        "export once per input size (--img-size)"
+    )
+
     def __init__(
         self, dim: int, num_heads: int, *, window: int = 7, shift: int = 0, **kwargs: Any
     ) -> None:
