@@ -186,9 +186,27 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from lgvit.plot import plot_run
+    from lgvit.plot import plot_runs
 
-    for p in plot_run(args.run_dir):
+    labels = args.labels.split(",") if args.labels else None
+    print(plot_runs(args.run_dirs, args.out, labels))
+    return 0
+
+
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        y, x = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not Y,X (two integers)") from None
+    return y, x
+
+
+def cmd_viz(args: argparse.Namespace) -> int:
+    from lgvit.viz import visualize
+
+    paths = visualize(args.checkpoint, args.images, args.what, args.out, args.per_head,
+                      args.query, args.positions or (), args.device)  # fmt: skip
+    for p in paths:
         print(p)
     return 0
 
@@ -318,9 +336,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("images", nargs="+")
     p.set_defaults(func=cmd_predict)
 
-    p = sub.add_parser("plot", help="write PNG training curves into a run directory")
-    p.add_argument("run_dir")
+    p = sub.add_parser(
+        "plot", help="training curves of runs, overlaid: top-1, top-5, training loss per epoch"
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN", help="run directories (metrics.jsonl)")
+    p.add_argument("--out", help="PNG, SVG or PDF (default: RUN/curves.png, or ./curves.png)")
+    p.add_argument("--labels", help="comma-separated legend names (default: directory names)")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser(
+        "viz",
+        help="what a model learned, on real images: LSA shift attention, LIT offsets, attention",
+        description="Figures from a checkpoint (or a registered name, random weights) on images. "
+        "lsa-shifts: each position's local attention over the shifted copies (LSA); "
+        "dtm-offsets: where LIT's chained deformable token merges sample; attention: a query "
+        "pixel's attention per head at the first and last block of every stage, averaged over "
+        "the images, and the last stage's attention rollout.",
+    )
+    p.add_argument("checkpoint", help="checkpoint (runs/x/best), local-dir:/hf-hub:, or a name")
+    p.add_argument("images", nargs="+")
+    p.add_argument("--what", required=True, choices=["lsa-shifts", "dtm-offsets", "attention"])
+    p.add_argument("--out", default="viz", help="output directory (default: viz)")
+    p.add_argument("--per-head", action="store_true", help="lsa-shifts: also one figure per head")
+    p.add_argument("--query", type=_pair, help="attention: query pixel Y,X (default: centre)")
+    p.add_argument("--positions", type=_pair, nargs="+", metavar="Y,X",
+                   help="dtm-offsets: output positions on the last merge's grid")  # fmt: skip
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_viz)
     return parser
 
 

@@ -1,16 +1,24 @@
-"""Training curves as PNG, drawn with Pillow (no plotting library needed)."""
+"""``lgvit plot``: training curves of one or several runs, overlaid, with matplotlib.
+
+The LocalViT paper's Fig. 4 layout: test top-1, test top-5 and training loss per epoch, one line
+per run (EMA weights dashed where the run kept them), the best top-1 epoch of each run marked.
+Needs matplotlib (``pip install 'lgvit[viz]'``).
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-
-from PIL import Image, ImageDraw
 
 from lgvit.errors import LgvitError
 
-W, H, PAD = 640, 360, 48
-COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+FORMATS = (".png", ".svg", ".pdf")
+PANELS = (
+    ("test_acc1", "test top-1 (%)"),
+    ("test_acc5", "test top-5 (%)"),
+    ("train_loss", "training loss"),
+)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -29,57 +37,67 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return rows
 
 
-def line_chart(title: str, xs: list[float], series: dict[str, list[float]], path: Path) -> None:
-    img = Image.new("RGB", (W, H), "white")
-    g = ImageDraw.Draw(img)
-    vals = [v for ys in series.values() for v in ys]
-    lo, hi = min(vals), max(vals)
-    if hi == lo:
-        hi = lo + 1.0
-    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-
-    def pt(x: float, y: float) -> tuple[float, float]:
-        return (
-            PAD + (x - x0) / (x1 - x0) * (W - 2 * PAD),
-            H - PAD - (y - lo) / (hi - lo) * (H - 2 * PAD),
-        )
-
-    g.rectangle([PAD, PAD, W - PAD, H - PAD], outline="black")
-    for i in range(5):  # y grid with labels
-        y = lo + (hi - lo) * i / 4
-        _, py = pt(x0, y)
-        g.line([PAD, py, W - PAD, py], fill="#dddddd")
-        g.text((4, py - 6), f"{y:.3g}", fill="black")
-    g.text((PAD, 8), title, fill="black")
-    g.text((W // 2 - 16, H - PAD + 16), "epoch", fill="black")
-    g.text((PAD, H - PAD + 4), f"{x0:g}", fill="black")
-    g.text((W - PAD - 16, H - PAD + 4), f"{x1:g}", fill="black")
-    for (name, ys), color in zip(series.items(), COLORS, strict=False):
-        pts = [pt(x, y) for x, y in zip(xs, ys, strict=True)]
-        if len(pts) > 1:
-            g.line(pts, fill=color, width=2)
-        for px, py in pts:
-            g.ellipse([px - 2, py - 2, px + 2, py + 2], fill=color)
-        ly = PAD + 6 + 14 * list(series).index(name)
-        g.line([W - PAD - 120, ly + 6, W - PAD - 100, ly + 6], fill=color, width=2)
-        g.text((W - PAD - 96, ly), name, fill="black")
-    img.save(path)
+def run_labels(run_dirs: Sequence[str | Path]) -> list[str]:
+    """The runs' directory names; the parent is added where two names are the same."""
+    names = [Path(r).resolve().name for r in run_dirs]
+    return [
+        f"{Path(r).resolve().parent.name}/{n}" if names.count(n) > 1 else n
+        for r, n in zip(run_dirs, names, strict=True)
+    ]
 
 
-def plot_run(run_dir: str | Path) -> list[Path]:
-    """Write ``loss.png``, ``accuracy.png`` and ``lr.png`` into the run directory."""
-    rows = read_metrics(run_dir)
-    run = Path(run_dir)
-    xs = [r["epoch"] + 1 for r in rows]
-    out = []
-    charts = {
-        "loss.png": ("loss", {"train": "train_loss", "test": "test_loss"}),
-        "accuracy.png": ("test accuracy (%)", {"top-1": "test_acc1", "top-5": "test_acc5"}),
-        "lr.png": ("learning rate (end of epoch)", {"lr": "lr"}),
-    }
-    for fname, (title, keys) in charts.items():
-        series = {label: [r[k] for r in rows] for label, k in keys.items() if k in rows[0]}
-        if series:
-            line_chart(title, xs, series, run / fname)
-            out.append(run / fname)
-    return out
+def plot_runs(
+    run_dirs: Sequence[str | Path],
+    out: str | Path | None = None,
+    labels: Sequence[str] | None = None,
+) -> Path:
+    """Draw the runs' curves into ``out`` (``.png``, ``.svg`` or ``.pdf``; default
+    ``RUN/curves.png`` for one run, ``curves.png`` for several); returns the path."""
+    from lgvit.viz import need_matplotlib
+
+    if not run_dirs:
+        raise LgvitError("no run directory given")
+    path = (
+        Path(out) if out else (Path(run_dirs[0]) if len(run_dirs) == 1 else Path()) / "curves.png"
+    )
+    if path.suffix.lower() not in FORMATS:
+        raise LgvitError(f"--out {path}: the file must end in {', '.join(FORMATS)}")
+    if labels is not None and len(labels) != len(run_dirs):
+        raise LgvitError(f"--labels gives {len(labels)} names for {len(run_dirs)} runs")
+    runs = [read_metrics(r) for r in run_dirs]  # every run checked before anything is drawn
+    plt = need_matplotlib()
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.6), dpi=110,
+                             layout="constrained")  # fmt: skip
+    colors = plt.get_cmap("tab10").colors
+    for i, (rows, label) in enumerate(zip(runs, labels or run_labels(run_dirs), strict=True)):
+        color = colors[i % len(colors)]
+        epochs = [r["epoch"] + 1 for r in rows]
+        for ax, (key, _) in zip(axes, PANELS, strict=True):
+            ys = [r.get(key) for r in rows]
+            if any(y is not None for y in ys):
+                ax.plot(epochs, ys, color=color, marker="." if len(rows) < 40 else None,
+                        label=label)  # fmt: skip
+            ema = [r.get(key.replace("test_", "test_ema_")) for r in rows]
+            if key.startswith("test_") and any(y is not None for y in ema):
+                ax.plot(epochs, ema, color=color, linestyle="--", label=f"{label} (EMA)")
+        best = max(rows, key=lambda r: r.get("test_acc1", float("-inf")))
+        if "test_acc1" in best:
+            axes[0].plot(best["epoch"] + 1, best["test_acc1"], marker="*", markersize=13,
+                         color=color, markeredgecolor="black", linestyle="none")  # fmt: skip
+            axes[0].annotate(
+                f"best {best['test_acc1']:.2f}% (epoch {best['epoch'] + 1})",
+                (best["epoch"] + 1, best["test_acc1"]), textcoords="offset points",
+                xytext=(-8, -16 - 11 * i), ha="right", fontsize=7, color=color,
+            )  # fmt: skip
+    for ax, (_, title) in zip(axes, PANELS, strict=True):
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    axes[0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(", ".join(labels or run_labels(run_dirs)), fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with plt.rc_context({"svg.fonttype": "none"}):  # SVG text stays text (editable, searchable)
+        fig.savefig(path)
+    plt.close(fig)
+    return path

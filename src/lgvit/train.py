@@ -46,6 +46,7 @@ from lgvit.data.stream import make_loader
 from lgvit.data.transforms import soft_target_cross_entropy
 from lgvit.errors import LgvitError
 from lgvit.models import create_model, get_model_config, is_model
+from lgvit.progress import RunClock, StepProgress, format_duration, on_terminal
 
 # --------------------------------------------------------------------------------- processes
 
@@ -254,9 +255,12 @@ def evaluate(
     num_classes: int,
     d: Dist,
     amp: torch.dtype | None,
+    desc: str = "eval",
 ) -> dict[str, Any]:
-    """Top-1, top-5, loss and per-class accuracy over the whole test split (all ranks)."""
+    """Top-1, top-5, loss and per-class accuracy over the whole test split (all ranks); a
+    progress bar on a terminal (rank 0)."""
     model.eval()
+    progress = StepProgress(len(loader), desc, d.main and on_terminal())
     correct1 = torch.zeros((), dtype=torch.float64)
     correct5 = torch.zeros((), dtype=torch.float64)
     loss_sum = torch.zeros((), dtype=torch.float64)
@@ -277,6 +281,8 @@ def evaluate(
         yc = y.cpu()
         per_class[0].index_add_(0, yc, hit1)
         per_class[1].index_add_(0, yc, torch.ones_like(hit1))
+        progress.update(len(y) * d.world_size)
+    progress.close()
     stats = torch.cat([torch.stack([correct1, correct5, loss_sum, count]), per_class.flatten()])
     stats = all_reduce_sum(stats.to(d.device), d).cpu()
     c1, c5, ls, n = stats[:4].tolist()
@@ -311,11 +317,17 @@ def train_one_epoch(
     schedule: dict[str, Any],
     epoch: int,
     log: Any,
+    clock: RunClock | None = None,
 ) -> tuple[float, int, int]:
-    """One pass over the training split; returns (mean loss, images seen, global step)."""
+    """One pass over the training split; returns (mean loss, images seen, global step).
+
+    Progress: a bar on a terminal (rank 0), else a plain line every ``cfg.log_every`` steps
+    (lines go to ``train.log`` either way)."""
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64)
     images = 0
+    bar = d.main and on_terminal()
+    progress = StepProgress(len(loader), f"epoch {epoch + 1}/{cfg.epochs}", bar)
     for i, (x, y) in enumerate(loader):
         lr = lr_at(step, **schedule)
         for g in optimizer.param_groups:
@@ -351,8 +363,20 @@ def train_one_epoch(
         loss_sum += loss.detach().double().cpu()
         images += len(x)
         step += 1
+        run_eta = clock.eta(step) if clock else None
+        eta = f", run ETA {format_duration(run_eta)}" if run_eta is not None else ""
+        if progress.wants_postfix():
+            progress.update(len(x) * d.world_size, loss=f"{loss.item():.4f}", lr=f"{lr:.3g}",
+                            run_ETA=format_duration(run_eta or 0))  # fmt: skip
+        else:
+            progress.update(len(x) * d.world_size)
         if cfg.log_every and (i + 1) % cfg.log_every == 0:
-            log(f"epoch {epoch} step {i + 1}/{len(loader)} loss {loss.item():.4f} lr {lr:.3g}")
+            line = (
+                f"epoch {epoch} step {i + 1}/{len(loader)} loss {loss.item():.4f} lr {lr:.3g}, "
+                f"{progress.img_per_s:.0f} img/s, epoch ETA {format_duration(progress.eta())}{eta}"
+            )
+            log(line, console=not bar)
+    progress.close()
     stats = torch.stack([loss_sum, torch.tensor(float(len(loader)))]).to(d.device)
     stats = all_reduce_sum(stats, d)
     mean_loss = (stats[0] / stats[1].clamp(min=1)).item()
@@ -371,11 +395,12 @@ class RunLog:
         self.main = main
         self.path = out / "train.log"
 
-    def __call__(self, msg: str) -> None:
+    def __call__(self, msg: str, console: bool = True) -> None:
         if not self.main:
             return
         line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        print(line, flush=True)
+        if console:
+            print(line, flush=True)
         with open(self.path, "a") as f:
             f.write(line + "\n")
 
@@ -521,17 +546,21 @@ def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -
     meta = checkpoint_metadata(cfg, img_size, splits)
     metrics: dict[str, Any] = {}
     t_start = time.time()
+    clock = RunClock(cfg.epochs * steps_per_epoch, step)
     for epoch in range(start_epoch, cfg.epochs):
         train_loader.set_epoch(epoch)
         t0 = time.time()
         train_loss, seen, step = train_one_epoch(
-            net, train_loader, optimizer, scaler, ema, cfg, d, amp, step, schedule, epoch, log
-        )
+            net, train_loader, optimizer, scaler, ema, cfg, d, amp, step, schedule, epoch, log,
+            clock,
+        )  # fmt: skip
         train_time = time.time() - t0
         ev = evaluate(net, test_loader, num_classes, d, amp)
         if ema is not None:
             ev_model = _ema_model(model, ema)
-            ev["ema_acc1"] = evaluate(ev_model, test_loader, num_classes, d, amp)["acc1"]
+            ev["ema_acc1"] = evaluate(ev_model, test_loader, num_classes, d, amp, "eval EMA")[
+                "acc1"
+            ]
         metrics = {
             "epoch": epoch,
             "train_loss": round(train_loss, 6),
@@ -555,6 +584,11 @@ def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -
             f"epoch {epoch + 1}/{cfg.epochs}: train loss {train_loss:.4f}, test top-1 "
             f"{ev['acc1']:.2f}% top-5 {ev['acc5']:.2f}%, {metrics['img_per_s']:.0f} img/s, "
             f"{metrics['epoch_time_s']:.1f}s"
+            + (
+                f", run ETA {format_duration(clock.eta(step) or 0)}"
+                if epoch + 1 < cfg.epochs
+                else ""
+            )
         )
         _fault_injection(epoch)
         if cfg.time_limit_min and (time.time() - t_start) / 60 > cfg.time_limit_min:

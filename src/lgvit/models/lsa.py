@@ -48,6 +48,7 @@ from lgvit.models.layers import (
     Grid,
     Stage,
     WindowAttention,
+    attention_probs,
     contiguous_grad,
     conv_out_size,
     drop_path_schedule,
@@ -261,6 +262,9 @@ class LocalShiftAttention(Attention):
         kv = kv.flatten(1, 2).transpose(0, 1).contiguous()  # (B*N, T, 2*kv_heads*head_dim)
         c = self.kv_heads * self.head_dim
         drop = self.attn_drop if self.training else 0.0
+        if self.captured is not None:  # (B, heads, N, T): each position's weights over shifts
+            p = attention_probs(q, kv[..., :c], self.num_heads, self.kv_heads)
+            self.captured.append((p.view(B, N, self.num_heads, T).transpose(1, 2), None))
         x = multihead_sdpa(q, kv[..., :c], kv[..., c:], self.num_heads, self.kv_heads, None, drop)
         return self.proj_drop(self.proj(x.reshape(B, N, C)))
 

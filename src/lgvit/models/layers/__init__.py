@@ -4,6 +4,7 @@ from lgvit.models.layers.attention import (
     LN_EPS,
     Attention,
     RelativePositionBias,
+    attention_probs,
     multihead_sdpa,
     relative_position_index,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "grid_from_tokens",
     "init_vit_weights",
     "map_to_tokens",
+    "attention_probs",
     "multihead_sdpa",
     "num_prefix_tokens",
     "per_stage",

@@ -63,6 +63,28 @@ def multihead_sdpa(
     return x.view(B, kvh, g, N, d).permute(0, 3, 1, 2, 4).reshape(B, N, num_heads * d)
 
 
+def attention_probs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    num_heads: int,
+    kv_heads: int | None = None,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The probabilities :func:`multihead_sdpa` weights the values with: ``(B, H, N, M)`` in
+    float32, from the same ``q (B, N, H*d)``, ``k (B, M, Hkv*d)``, mask and scale."""
+    B, N, _ = q.shape
+    M = k.shape[1]
+    kvh = kv_heads or num_heads
+    d = q.shape[-1] // num_heads
+    qh = q.float().view(B, N, num_heads, d).transpose(1, 2)
+    kh = k.float().view(B, M, kvh, d).transpose(1, 2).repeat_interleave(num_heads // kvh, dim=1)
+    logits = (qh * (scale or d**-0.5)) @ kh.transpose(-2, -1)
+    if attn_mask is not None:
+        logits = logits + attn_mask.float()
+    return logits.softmax(-1)
+
+
 def _explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -178,6 +200,9 @@ class Attention(nn.Module):
             self.norm = (norm_layer or _default_norm)(dim)
         self.rel_pos = RelativePositionBias(rel_pos_grid, num_heads) if rel_pos_grid else None
         self.qk_scale = qk_scale
+        # A list while attention is being captured (lgvit.viz.capture_attention): each call
+        # appends (probabilities (B, H, N, M), grid). None costs one test per call.
+        self.captured: list[tuple[torch.Tensor, Grid | None]] | None = None
 
     def _keys_values(self, x: torch.Tensor, hw: Grid | None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.sr_ratio > 1:
@@ -196,9 +221,11 @@ class Attention(nn.Module):
             bias = self.rel_pos(hw)
             attn_mask = bias if attn_mask is None else attn_mask + bias
         drop = self.attn_drop if self.training else 0.0
-        x = multihead_sdpa(
-            self.q(x), k, v, self.num_heads, self.kv_heads, attn_mask, drop, self.qk_scale
-        )
+        q = self.q(x)
+        if self.captured is not None:
+            p = attention_probs(q, k, self.num_heads, self.kv_heads, attn_mask, self.qk_scale)
+            self.captured.append((p, hw))
+        x = multihead_sdpa(q, k, v, self.num_heads, self.kv_heads, attn_mask, drop, self.qk_scale)
         return self.proj_drop(self.proj(x))
 
 
