@@ -104,12 +104,19 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write_temp(path: Path, write: Callable[[Path], None]) -> Path:
     """Run ``write(tmp)``, fsync ``tmp`` and return it; remove it if anything fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp_path(path)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # as open() would make it (some writers use 0600)
         _fsync_file(tmp)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -697,11 +704,14 @@ def load_train_state(path: str | Path) -> dict[str, Any]:
     return _read_state_file(_resolve_state_path(Path(path)))["train_state"]
 
 
-def load_checkpoint_pair(stem: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def load_checkpoint_pair(
+    stem: str | Path, repair: bool = False
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """``(weights, train_state)`` of a checkpoint, checked to come from the same save.
 
     If the state file is older than the weights (a kill between the two renames), the complete
-    state temp file of that save is used when it is still on disk; otherwise LgvitError.
+    state temp file of that save is used when it is still on disk (``repair``: and renamed
+    into place, so the pair is whole again); otherwise LgvitError.
     """
     weights_path, state_path = checkpoint_paths(stem)
     tensors, meta = _read_safetensors(weights_path)
@@ -712,7 +722,7 @@ def load_checkpoint_pair(stem: str | Path) -> tuple[dict[str, Tensor], dict[str,
         raise LgvitError(f"{weights_path}: has no {PAIR_ID_KEY}; not saved by save_checkpoint")
     state = _read_state_file(state_path)
     if state.get(PAIR_ID_KEY) != wanted:
-        recovered = _roll_forward(state_path, wanted)
+        recovered = _roll_forward(state_path, wanted, repair)
         if recovered is None:
             raise LgvitError(
                 f"{state_path}: does not belong to {weights_path.name} (pair id "
@@ -722,7 +732,7 @@ def load_checkpoint_pair(stem: str | Path) -> tuple[dict[str, Tensor], dict[str,
     return clean_state_dict(tensors), state["train_state"]
 
 
-def _roll_forward(state_path: Path, pair_id: str) -> dict[str, Any] | None:
+def _roll_forward(state_path: Path, pair_id: str, repair: bool = False) -> dict[str, Any] | None:
     temps = state_path.parent.glob(f".{_glob_escape(state_path.name)}.tmp-*")
     for tmp in sorted(temps, key=lambda p: p.stat().st_mtime, reverse=True):
         try:
@@ -735,5 +745,8 @@ def _roll_forward(state_path: Path, pair_id: str) -> dict[str, Any] | None:
                 f"using the complete state from {tmp.name}",
                 stacklevel=3,
             )
+            if repair:
+                os.replace(tmp, state_path)
+                _fsync_dir(state_path.parent)
             return state
     return None

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lgvit.errors import LgvitError
 
@@ -108,19 +110,67 @@ def cmd_train(args: argparse.Namespace) -> int:
         "img_size": args.img_size, "epochs": args.epochs, "batch_size": args.batch_size,
         "out": args.out, "resume": args.resume, "amp": args.amp,
         "compile": True if args.compile else None, "seed": args.seed,
+        "ema": True if args.model_ema else None,
     }  # fmt: skip
-    cfg = load_config(args.config, args.set or [], **cli)
+    sets = list(args.set or [])
+    for flag, (key, _, _) in TIMM_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is _OFF:  # "--aa none": the key set to null, like --set key=null
+            sets.insert(0, f"{key}=null")
+        elif value is not None:
+            cli[key] = value
+    cfg = load_config(args.config, sets, **cli)
     # What this invocation set explicitly: on --resume it overrides the run's saved config.
     explicit = {k for k, v in cli.items() if v is not None}
-    explicit |= {item.split("=", 1)[0].strip() for item in args.set or []}
+    explicit |= {item.split("=", 1)[0].strip() for item in sets}
     if args.config:
         import yaml
 
         explicit |= set(yaml.safe_load(Path(args.config).read_text()) or {})
     metrics = train(cfg, explicit)
-    if metrics and int(__import__("os").environ.get("RANK", "0")) == 0:
+    if metrics.get("test_acc1") is not None and int(os.environ.get("RANK", "0")) == 0:
         print(f"final test top-1: {metrics['test_acc1']:.2f}%")
     return 0
+
+
+_OFF = object()  # a flag given as "none": the key is switched off
+
+
+def _none_or(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        return _OFF if text.lower() in ("none", "null", "off") else kind(text)
+
+    return parse
+
+
+# timm train.py's flag names -> config keys (type, help). --lr is the rate for a global batch
+# of lr_base_batch (512), scaled to the real batch as DeiT does.
+TIMM_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--lr": ("lr", float, "learning rate for a global batch of 512 (scaled linearly)"),
+    "--min-lr": ("min_lr", float, "lr the schedule decays to"),
+    "--warmup-lr": ("warmup_lr", float, "lr the warm-up starts from"),
+    "--weight-decay": ("weight_decay", float, "AdamW weight decay"),
+    "--warmup-epochs": ("warmup_epochs", float, "linear warm-up epochs"),
+    "--drop-path": ("drop_path", float, "stochastic depth rate"),
+    "--smoothing": ("label_smoothing", float, "label smoothing"),
+    "--aa": ("rand_augment", _none_or(str), "RandAugment spec, e.g. rand-m9-mstd0.5-inc1, or none"),
+    "--mixup": ("mixup", float, "mixup alpha (0: off)"),
+    "--cutmix": ("cutmix", float, "cutmix alpha (0: off)"),
+    "--reprob": ("reprob", float, "random erasing probability"),
+    "--clip-grad": ("clip_grad", _none_or(float), "gradient-norm clip (none: off)"),
+    "--opt": ("opt", str, "adamw | sgd | lamb"),
+    "--sched": ("sched", str, "cosine | step | none"),
+    "--momentum": ("momentum", float, "SGD momentum"),
+    "--decay-epochs": ("decay_epochs", float, "step schedule: epochs between decays"),
+    "--decay-rate": ("decay_rate", float, "step schedule: lr factor per decay"),
+    "--model-ema-decay": ("ema_decay", float, "EMA decay per step"),
+    "--workers": ("workers", int, "decoding processes for streamed image folders"),
+    "--log-interval": ("log_every", int, "steps between progress lines"),
+    "--device": ("device", str, "auto | cpu | cuda"),
+    "--initial-checkpoint": ("initial_checkpoint", str, "start from these weights (fine-tune)"),
+    "--num-classes": ("num_classes", int, "classes of the head (default: the dataset's)"),
+    "--patch-size": ("patch_size", int, "patch size (model default otherwise)"),
+}
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -141,6 +191,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"{args.checkpoint} has a {n_head}-class head but {args.data} has {n_data} classes; "
             "fine-tune it with `lgvit train` or evaluate on a dataset with the same classes"
         )
+    trained_on = model.pretrained_cfg.get("label_names")
+    if trained_on and list(trained_on) != list(splits.test.classes) and not args.any_classes:
+        raise LgvitError(
+            f"{args.checkpoint} was trained on classes {_preview(trained_on)} but {args.data} "
+            f"has {_preview(splits.test.classes)}; pass --any-classes to evaluate anyway"
+        )
     aug = AugmentConfig(img_size=size, mean=tuple(splits.mean), std=tuple(splits.std))
     loader = make_loader(splits.test, args.batch_size, num_classes=n_data, train=False, aug=aug)
     d = Dist(device=device)
@@ -157,17 +213,48 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _preview(names: Sequence[str], n: int = 3) -> str:
+    return "[" + ", ".join(list(names)[:n]) + (", ...]" if len(names) > n else "]")
+
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm")
+
+
+def _expand_images(paths: Sequence[str]) -> list[str]:
+    """Files as given; a directory stands for the images in it (sorted, not recursive)."""
+    out: list[str] = []
+    for p in paths:
+        if Path(p).is_dir():
+            found = sorted(str(f) for f in Path(p).iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+            if not found:
+                raise LgvitError(
+                    f"{p}: a directory with no image files ({', '.join(IMAGE_SUFFIXES)})"
+                )
+            out += found
+        else:
+            out.append(p)
+    return out
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     import torch
 
     from lgvit.inference import load_model, preprocess_images
 
+    if args.topk < 1:
+        raise LgvitError(f"--topk {args.topk}: must be at least 1")
+    images = _expand_images(args.images)
     model = load_model(args.checkpoint, args.device, args.model, args.img_size)
     device = next(model.parameters()).device
     classes = model.pretrained_cfg.get("label_names")  # the checkpoint's class names
-    results = []
-    for path in args.images:
-        x = preprocess_images(model, [path])  # its normalisation; LgvitError if unreadable
+    results, failed = [], 0
+    for path in images:
+        try:
+            x = preprocess_images(model, [path])  # its normalisation; LgvitError if unreadable
+        except LgvitError as e:  # one bad file among good ones: say so, go on
+            print(f"lgvit predict: skipped: {e}", file=sys.stderr)
+            failed += 1
+            continue
         with torch.no_grad():
             probs = model(x.to(device)).softmax(-1)[0].cpu()
         top = probs.topk(min(args.topk, len(probs)))
@@ -176,13 +263,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
             {"image": path, "top": [[lbl, round(p, 4)] for lbl, p in
                                     zip(labels, top.values.tolist(), strict=True)]}
         )  # fmt: skip
+    if failed and not results:
+        raise LgvitError(f"none of the {failed} image(s) could be read")
     if args.json:
         print(json.dumps(results, indent=2))
-        return 0
-    for r in results:
-        tops = ", ".join(f"{lbl} {100 * p:.1f}%" for lbl, p in r["top"])
-        print(f"{r['image']}: {tops}")
-    return 0
+    else:
+        for r in results:
+            tops = ", ".join(f"{lbl} {100 * p:.1f}%" for lbl, p in r["top"])
+            print(f"{r['image']}: {tops}")
+    return 1 if failed else 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -297,7 +386,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     datasets = ["cifar10", "cifar100", "imagefolder", "digits", "synthetic"]
-    p = sub.add_parser("train", help="train a model with the papers' DeiT recipe")
+    from lgvit.config import config_help
+
+    keys = "\n".join(f"  {k:20s} {d:24s} {m}" for k, d, m in config_help())
+    p = sub.add_parser(
+        "train",
+        help="train a model with the papers' DeiT recipe",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config keys (YAML files, --set key=value; precedence: defaults < YAML < flags "
+        f"< --set):\n  {'key':20s} {'default':24s} meaning\n{keys}",
+    )
     p.add_argument("--model", help="registered model name (default: lsa_micro_cifar)")
     p.add_argument("--data", choices=datasets)
     p.add_argument("--data-dir", help="dataset archive or folder (no download needed)")
@@ -308,9 +406,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file of config keys (see configs/)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--resume", help="'auto' (the last checkpoint in --out) or a checkpoint")
-    p.add_argument("--amp", choices=["auto", "bf16", "fp16", "none"])
+    p.add_argument("--amp", choices=["auto", "bf16", "fp16", "none"], nargs="?", const="auto",
+                   help="mixed precision (a bare --amp, timm's flag, means auto)")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--seed", type=int)
+    p.add_argument("--model-ema", action="store_true", help="keep an EMA of the weights")
+    for flag, (_, kind, text) in TIMM_FLAGS.items():
+        names = [flag, "-j"] if flag == "--workers" else [flag]
+        p.add_argument(*names, type=kind, help=text)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="top-1/top-5/loss/per-class accuracy of a checkpoint")
@@ -324,9 +427,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=["auto", "bf16", "none"], default="auto")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: CUDA if any)")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--any-classes",
+        action="store_true",
+        help="evaluate even if the checkpoint's class names differ from the data's",
+    )
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("predict", help="top-5 labels of images")
+    p = sub.add_parser(
+        "predict",
+        help="top-5 labels of images",
+        description="Top-k labels of image files (or of the images in a directory). An "
+        "unreadable file is skipped with a line on stderr and the exit status is then 1.",
+    )
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--model", help="default: the name stored in the checkpoint")
     p.add_argument("--img-size", type=int)
@@ -381,8 +494,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except LgvitError as e:
-        print(f"lgvit {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        code = getattr(e, "exit_code", 2)  # a preempted run: 128 + the signal, as a shell does
+        print(f"lgvit {args.command}: {'error: ' if code == 2 else ''}{e}", file=sys.stderr)
+        return code
     except KeyboardInterrupt:
         print(f"lgvit {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -42,6 +43,8 @@ DATASETS = ("cifar10", "cifar100", "imagefolder", "digits", "synthetic")
 AMP_MODES = ("auto", "bf16", "fp16", "none")
 TRAIN_CROPS = ("random_crop", "random_resized_crop", "none")
 RE_MODES = ("pixel", "rand", "const")  # random erasing fill, as in timm
+OPTIMIZERS = ("adamw", "sgd", "lamb")
+SCHEDULES = ("cosine", "step", "none")
 
 
 @dataclass
@@ -49,64 +52,88 @@ class TrainConfig:
     """Everything a training run needs; saved with every checkpoint."""
 
     # model
-    model: str = "lsa_micro_cifar"
+    model: str = "lsa_micro_cifar"  # registered model name (`lgvit info` lists them)
     num_classes: int | None = None  # None -> from the dataset
     img_size: int | None = None  # None -> model default
     patch_size: int | None = None  # None -> model default (e.g. 4 for ViTs on 32px images)
     window_size: int | None = None  # None -> model default (Swin's attention windows)
-    drop_path: float = 0.1
+    drop_path: float = 0.1  # stochastic depth rate of the last block (linear from 0)
     # data
     data: str = "cifar10"  # cifar10 | cifar100 | imagefolder | digits | synthetic
-    data_dir: str | None = None
-    cache_dir: str | None = None
-    max_bad_fraction: float = 0.05
+    data_dir: str | None = None  # archive or folder of the data (cifar: downloaded if None)
+    cache_dir: str | None = None  # where decoded uint8 images are cached (~/.cache/lgvit)
+    max_bad_fraction: float = 0.05  # unreadable images tolerated per split before stopping
     stream: bool | None = None  # imagefolder: None = stream from files when too big to cache
     # schedule
-    epochs: int = 300
+    epochs: int = 300  # training epochs
     batch_size: int = 64  # per process
     lr: float = 5e-4  # for a global batch of lr_base_batch; scaled linearly, see scaled_lr()
-    lr_base_batch: int = 512
-    min_lr: float = 1e-5
-    warmup_lr: float = 1e-6
-    warmup_epochs: float = 5.0
-    weight_decay: float = 0.05
-    clip_grad: float | None = 5.0
-    opt_betas: tuple[float, float] = (0.9, 0.999)
-    opt_eps: float = 1e-8
+    lr_base_batch: int = 512  # the global batch lr is given for (DeiT: 512)
+    min_lr: float = 1e-5  # where the schedule decays to
+    warmup_lr: float = 1e-6  # where the linear warm-up starts
+    warmup_epochs: float = 5.0  # linear warm-up length (fractions allowed)
+    weight_decay: float = 0.05  # decoupled; none on position embeddings, norms, biases
+    clip_grad: float | None = 5.0  # gradient-norm clip (None: off)
+    opt_betas: tuple[float, float] = (0.9, 0.999)  # AdamW / LAMB betas
+    opt_eps: float = 1e-8  # AdamW / LAMB epsilon
+    opt: str = "adamw"  # adamw | sgd (momentum 0.9, nesterov) | lamb
+    momentum: float = 0.9  # sgd
+    sched: str = "cosine"  # cosine | step | none (after the linear warm-up)
+    decay_epochs: float = 30.0  # step: multiply the lr by decay_rate every decay_epochs
+    decay_rate: float = 0.1  # step: the factor
     # augmentation (DeiT)
     train_crop: str = "random_crop"  # random_crop | random_resized_crop | none
     crop_padding: int = 4  # random_crop's zero padding (CIFAR recipe: 4)
-    hflip: bool = True
-    rand_augment: str | None = "rand-m9-mstd0.5-inc1"
-    mixup: float = 0.8
-    cutmix: float = 1.0
-    mixup_switch_prob: float = 0.5
-    mixup_prob: float = 1.0
-    label_smoothing: float = 0.1
-    reprob: float = 0.25
-    remode: str = "pixel"
-    repeated_aug: int = 1
-    crop_pct: float = 0.875
+    hflip: bool = True  # random horizontal flip
+    rand_augment: str | None = "rand-m9-mstd0.5-inc1"  # timm RandAugment spec (None: off)
+    mixup: float = 0.8  # mixup alpha (0: off)
+    cutmix: float = 1.0  # cutmix alpha (0: off)
+    mixup_switch_prob: float = 0.5  # chance of cutmix instead of mixup when both are on
+    mixup_prob: float = 1.0  # chance a batch is mixed at all
+    label_smoothing: float = 0.1  # label smoothing of the targets
+    reprob: float = 0.25  # random erasing probability
+    remode: str = "pixel"  # random erasing fill: pixel | rand | const
+    repeated_aug: int = 1  # repeated augmentation count (DeiT RASampler; 1: off)
+    crop_pct: float = 0.875  # eval: resize to size / crop_pct, then centre crop
     # model EMA
-    ema: bool = False
-    ema_decay: float = 0.99996
+    ema: bool = False  # keep an EMA of the weights (saved as last_ema.safetensors)
+    ema_decay: float = 0.99996  # EMA decay per step
     # LIT: the deformable merging's offset weights train at this factor x lr
-    offset_lr_factor: float = 0.01
+    offset_lr_factor: float = 0.01  # LIT: lr factor of the sampling-offset weights
     # run
-    amp: str = "auto"  # auto | bf16 | fp16 | none
-    compile: bool = False
-    seed: int = 0
-    workers: int = 2
-    out: str = "runs/default"
-    resume: str | None = None  # None | 'auto' | path
-    eval_every: int = 1
-    save_every: int = 1
-    max_nonfinite: int = 0  # (reserved) non-finite losses tolerated before stopping
-    log_every: int = 50
+    device: str = "auto"  # auto (CUDA when there is one) | cpu | cuda
+    amp: str = "auto"  # auto | bf16 | fp16 | none: mixed precision (auto: bf16 where supported)
+    compile: bool = False  # torch.compile the model
+    seed: int = 0  # data order, augmentation and initialisation
+    workers: int = 2  # decoding processes when an image folder streams from its files
+    out: str = "runs/default"  # run directory: config, metrics.jsonl, checkpoints, train.log
+    resume: str | None = None  # None | 'auto' (the last checkpoint in out) | a checkpoint
+    initial_checkpoint: str | None = None  # start from these weights (fine-tuning), fresh run
+    eval_every: int = 1  # evaluate every N epochs (and after the last)
+    save_every: int = 1  # write the `last` checkpoint every N epochs (and after the last)
+    save_every_steps: int = 0  # also a mid-epoch checkpoint every N steps (0: off)
+    save_every_min: float | None = None  # ... or every N minutes of training
+    max_nonfinite: int = 0  # non-finite losses skipped (step not taken) before stopping
+    log_every: int = 50  # a progress line every N steps (off a terminal; train.log always)
     time_limit_min: float | None = None  # stop cleanly after this many minutes of training
 
 
 _FIELDS: dict[str, Any] = typing.get_type_hints(TrainConfig)
+
+
+def config_help() -> list[tuple[str, str, str]]:
+    """``(key, default, meaning)`` for every config key, the meaning read from the comment on
+    the key's line in :class:`TrainConfig` (one source of truth for ``lgvit train --help``)."""
+    import inspect
+
+    meaning = {}
+    for line in inspect.getsource(TrainConfig).splitlines():
+        name, sep, rest = line.strip().partition(":")
+        if sep and name.isidentifier() and "#" in rest:
+            meaning[name] = rest.split("#", 1)[1].strip()
+    return [
+        (f.name, repr(f.default), meaning.get(f.name, "")) for f in dataclasses.fields(TrainConfig)
+    ]
 
 
 def config_keys() -> list[str]:
@@ -373,8 +400,16 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
         if not ok:
             fail(key, f"must be in [0, 1{')' if upper_open else ']'}")
 
+    for key in _FIELDS:  # inf/nan anywhere: refused before anything runs
+        v = getattr(cfg, key)
+        values = v if isinstance(v, tuple | list) else (v,)
+        if any(isinstance(x, float) and not math.isfinite(x) for x in values):
+            fail(key, "must be a finite number")
     choice("data", DATASETS)
+    choice("opt", OPTIMIZERS)
+    choice("sched", SCHEDULES)
     choice("amp", AMP_MODES)
+    choice("device", ("auto", "cpu", "cuda"))
     choice("train_crop", TRAIN_CROPS)
     choice("remode", RE_MODES)
     if not cfg.model:
@@ -383,6 +418,11 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
         at_least(key, 1)
     for key in ("eval_every", "save_every", "log_every"):
         at_least(key, 1)
+    at_least("save_every_steps", 0)
+    positive("save_every_min", optional=True)
+    positive("decay_epochs")
+    unit("decay_rate")
+    unit("momentum", upper_open=True)
     at_least("num_classes", 1, optional=True)
     at_least("img_size", 1, optional=True)
     for key in ("lr", "min_lr", "warmup_lr", "warmup_epochs", "weight_decay", "mixup", "cutmix"):

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import json
 import math
 import os
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,8 +47,9 @@ from lgvit.data.loader import AugmentConfig, BatchLoader
 from lgvit.data.stream import make_loader
 from lgvit.data.transforms import soft_target_cross_entropy
 from lgvit.errors import LgvitError
-from lgvit.models import create_model, get_model_config, is_model
+from lgvit.models import create_model, get_model_config, is_model, list_models
 from lgvit.progress import RunClock, StepProgress, format_duration, on_terminal
+from lgvit.rundir import RunLock, remove_stale_temps
 
 # --------------------------------------------------------------------------------- processes
 
@@ -63,11 +66,15 @@ class Dist:
         return self.rank == 0
 
 
-def setup_distributed() -> Dist:
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: gloo on CPU, nccl on CUDA."""
+def setup_distributed(device_name: str = "auto") -> Dist:
+    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: gloo on CPU, nccl on CUDA. ``device_name``:
+    ``auto`` (CUDA when there is one), ``cpu`` or ``cuda`` (each process its local GPU)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+    use_cuda = torch.cuda.is_available() if device_name == "auto" else device_name == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise LgvitError("--device cuda: no CUDA device is available here (use --device cpu)")
+    device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
@@ -133,13 +140,70 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
 
 
 def lr_at(
-    step: int, total_steps: int, warmup_steps: int, cfg: TrainConfig, base_lr: float
+    step: int,
+    total_steps: int,
+    warmup_steps: int,
+    cfg: TrainConfig,
+    base_lr: float,
+    steps_per_epoch: int = 1,
 ) -> float:
-    """Linear warm-up from warmup_lr, then per-step cosine decay from base_lr to min_lr."""
+    """Linear warm-up from warmup_lr, then (``sched``) per-step cosine decay from base_lr to
+    min_lr, a step decay by ``decay_rate`` every ``decay_epochs``, or a constant base_lr."""
     if step < warmup_steps:
         return cfg.warmup_lr + (base_lr - cfg.warmup_lr) * step / warmup_steps
+    if cfg.sched == "none":
+        return base_lr
+    if cfg.sched == "step":
+        epochs = step / max(steps_per_epoch, 1)
+        return max(base_lr * cfg.decay_rate ** math.floor(epochs / cfg.decay_epochs), cfg.min_lr)
     t = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return cfg.min_lr + 0.5 * (base_lr - cfg.min_lr) * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020): Adam's update with decoupled weight decay, scaled per tensor by
+    the trust ratio ``||w|| / ||update||`` (1 where either norm is zero), as timm's ``lamb``."""
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.0) -> None:  # fmt: skip
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    st["m"] = torch.zeros_like(p)
+                    st["v"] = torch.zeros_like(p)
+                st["step"] += 1
+                st["m"].lerp_(p.grad, 1 - b1)
+                st["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                m_hat = st["m"] / (1 - b1 ** st["step"])
+                v_hat = st["v"] / (1 - b2 ** st["step"])
+                update = m_hat / (v_hat.sqrt() + group["eps"])
+                if group["weight_decay"]:
+                    update.add_(p, alpha=group["weight_decay"])
+                w_norm, u_norm = p.norm(), update.norm()
+                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
+                p.add_(update * trust, alpha=-group["lr"])
+        return None
+
+
+def build_optimizer(
+    cfg: TrainConfig, groups: list[dict[str, Any]], lr: float, device: torch.device
+) -> torch.optim.Optimizer:
+    """``opt``: AdamW (the papers'), SGD with Nesterov momentum, or LAMB."""
+    if cfg.opt == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True)
+    if cfg.opt == "lamb":
+        return Lamb(groups, lr=lr, betas=tuple(cfg.opt_betas), eps=cfg.opt_eps)
+    fused = {"fused": True} if device.type in ("cpu", "cuda") else {}
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.opt_betas), eps=cfg.opt_eps, **fused)
 
 
 def param_groups(
@@ -216,8 +280,14 @@ def build_data(cfg: TrainConfig, img_size: int, d: Dist) -> DatasetSplits:
 
 
 def build_model(cfg: TrainConfig, num_classes: int) -> tuple[nn.Module, int]:
+    """The configured model at the run's input size, checked to run at that size (before any
+    data is loaded): a size it cannot take is one line, not a traceback after loading."""
     if not is_model(cfg.model):
-        raise LgvitError(f"unknown model {cfg.model!r}; `lgvit info` lists the registered ones")
+        close = difflib.get_close_matches(cfg.model, list_models(), n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise LgvitError(
+            f"unknown model {cfg.model!r}{hint} (`lgvit info` lists the registered ones)"
+        )
     default = get_model_config(cfg.model).input_size[-1]
     img_size = cfg.img_size or default
     try:
@@ -229,7 +299,49 @@ def build_model(cfg: TrainConfig, num_classes: int) -> tuple[nn.Module, int]:
         raise LgvitError(f"model {cfg.model} at --img-size {img_size}: {e}") from None
     except TypeError as e:  # an architecture key this model does not take
         raise LgvitError(f"model {cfg.model}: {e}") from None
+    stride = max((f["reduction"] for f in getattr(model, "feature_info", [])), default=1)
+    if img_size < stride:
+        raise LgvitError(
+            f"--img-size {img_size} is smaller than {cfg.model}'s total stride {stride}: its "
+            f"last stage would have no tokens (use at least {stride})"
+        )
+    probe = torch.zeros(1, getattr(model, "in_chans", 3), img_size, img_size)
+    try:
+        with torch.no_grad():
+            model.eval()(probe)
+    except (ValueError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LgvitError(
+            f"model {cfg.model} cannot run at --img-size {img_size}: {first}"
+        ) from None
+    model.train()
     return model, img_size
+
+
+def load_initial_weights(model: nn.Module, path: str) -> str:
+    """Fine-tuning start: weights only from ``path`` (an lgvit checkpoint, ``.safetensors`` or
+    ``.pth``); a classifier of another class count is dropped (the new head stays freshly
+    initialised), position embeddings of another grid are resized by the model's load hooks.
+    Anything else that does not fit is a one-line error. Returns a line for the log."""
+    from lgvit.checkpoint import load_weights
+
+    sd = load_weights(path)
+    if hasattr(model, "checkpoint_filter_fn"):
+        sd = model.checkpoint_filter_fn(sd)
+    own = model.state_dict()
+    head = getattr(model, "pretrained_cfg", {}).get("classifier", "head")
+    dropped = [
+        k for k in sd if k.startswith(head + ".") and k in own and sd[k].shape != own[k].shape
+    ]
+    for k in dropped:
+        del sd[k]
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if k not in dropped]
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise LgvitError(f"--initial-checkpoint {path} does not fit {model.model_name}: {what}")
+    note = f" (its {head} for another class count dropped)" if dropped else ""
+    return f"started from the weights of {path}{note}"
 
 
 def model_kwargs(cfg: TrainConfig) -> dict[str, int]:
@@ -304,6 +416,70 @@ class NonFiniteLoss(LgvitError):
     pass
 
 
+class Preempted(LgvitError):
+    """Training stopped by SIGTERM/SIGINT after saving; ``exit_code`` is 128 + the signal."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class RunControl:
+    """What may interrupt an epoch: SIGTERM/SIGINT (finish the step, save, stop) and the
+    periodic mid-epoch checkpoint (``save_every_steps`` / ``save_every_min``)."""
+
+    def __init__(self, cfg: TrainConfig, d: Dist) -> None:
+        self.cfg, self.d = cfg, d
+        self.signum: int | None = None
+        self.last_save = time.perf_counter()
+        self._old: dict[int, Any] = {}
+        self.test_signal_step = int(os.environ.get("LGVIT_SIGTERM_AT_STEP", "-1"))
+
+    def install(self) -> None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def due(self, batch: int, last_batch: bool, step: int = -1) -> tuple[bool, bool]:
+        """``(save now, then stop)`` after ``batch`` steps of the epoch (same on every rank)."""
+        cfg = self.cfg
+        if step == self.test_signal_step:  # test hook: a preemption at a known step
+            os.kill(os.getpid(), signal.SIGTERM)
+        minutes = (time.perf_counter() - self.last_save) / 60
+        periodic = not last_batch and (
+            (cfg.save_every_steps and batch % cfg.save_every_steps == 0)
+            or (cfg.save_every_min and minutes > cfg.save_every_min)
+        )
+        flags = torch.tensor([float(self.signum or 0), float(bool(periodic))])
+        if self.d.world_size > 1:  # every rank must stop (and save) at the same step
+            flags = all_reduce_sum(flags.to(self.d.device), self.d).cpu()
+            if flags[0] and not self.signum:
+                self.signum = signal.SIGTERM
+        stop = bool(flags[0])
+        return stop or bool(flags[1]), stop
+
+
+@dataclass
+class EpochProgress:
+    """Where an epoch stands: batches done, loss sum, images seen (saved mid-epoch)."""
+
+    batch: int = 0
+    loss_sum: float = 0.0
+    images: int = 0
+
+
 def train_one_epoch(
     model: nn.Module,
     loader: BatchLoader,
@@ -318,17 +494,24 @@ def train_one_epoch(
     epoch: int,
     log: Any,
     clock: RunClock | None = None,
+    ctl: RunControl | None = None,
+    save_mid_epoch: Any = None,
+    start: EpochProgress | None = None,
 ) -> tuple[float, int, int]:
-    """One pass over the training split; returns (mean loss, images seen, global step).
+    """One pass over the training split (from ``start.batch`` when resuming mid-epoch);
+    returns (mean loss, images seen, global step).
 
     Progress: a bar on a terminal (rank 0), else a plain line every ``cfg.log_every`` steps
-    (lines go to ``train.log`` either way)."""
+    (lines go to ``train.log`` either way). After each step ``ctl`` may ask for a mid-epoch
+    checkpoint (``save_mid_epoch(progress, step)``) and, on SIGTERM/SIGINT, to stop."""
     model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    images = 0
+    start = start or EpochProgress()
+    loss_sum = torch.tensor(start.loss_sum, dtype=torch.float64)
+    images = start.images
+    nonfinite = 0
     bar = d.main and on_terminal()
-    progress = StepProgress(len(loader), f"epoch {epoch + 1}/{cfg.epochs}", bar)
-    for i, (x, y) in enumerate(loader):
+    progress = StepProgress(len(loader) - start.batch, f"epoch {epoch + 1}/{cfg.epochs}", bar)
+    for i, (x, y) in enumerate(loader, start=start.batch):
         lr = lr_at(step, **schedule)
         for g in optimizer.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
@@ -340,12 +523,21 @@ def train_one_epoch(
             loss = soft_target_cross_entropy(logits, y)
         else:
             loss = F.cross_entropy(logits, y)
-        if not torch.isfinite(loss):
-            raise NonFiniteLoss(
-                f"loss is {loss.item()} at epoch {epoch} step {i}; stopping. The last good "
-                f"checkpoint is kept in {cfg.out} (lower --set lr=... or try --amp none)"
-            )
         optimizer.zero_grad(set_to_none=True)
+        if not torch.isfinite(loss):
+            nonfinite += 1
+            if nonfinite > cfg.max_nonfinite:
+                kept = (
+                    f"the last good checkpoint is kept in {cfg.out}"
+                    if checkpoint_paths(Path(cfg.out) / "last")[0].exists()
+                    else "no checkpoint had been saved yet"
+                )
+                raise NonFiniteLoss(
+                    f"loss is {loss.item()} at epoch {epoch} step {i}; stopping. {kept} "
+                    "(lower --set lr=... or try --amp none)"
+                )
+            warnings.warn(f"loss is {loss.item()} at epoch {epoch} step {i}: skipped", stacklevel=2)
+            continue
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
@@ -376,6 +568,19 @@ def train_one_epoch(
                 f"{progress.img_per_s:.0f} img/s, epoch ETA {format_duration(progress.eta())}{eta}"
             )
             log(line, console=not bar)
+        if ctl is not None and save_mid_epoch is not None:
+            save, stop = ctl.due(i + 1, i + 1 == len(loader), step)
+            if save:
+                progress.close()
+                save_mid_epoch(EpochProgress(i + 1, float(loss_sum), images), step)
+                ctl.last_save = time.perf_counter()
+            if stop:
+                raise Preempted(
+                    f"stopped by {signal.Signals(ctl.signum).name} at epoch {epoch + 1} step "
+                    f"{i + 1}/{len(loader)}; saved {Path(cfg.out) / 'last'}. Continue with: "
+                    f"lgvit train --out {cfg.out} --resume auto",
+                    ctl.signum or signal.SIGTERM,
+                )
     progress.close()
     stats = torch.stack([loss_sum, torch.tensor(float(len(loader)))]).to(d.device)
     stats = all_reduce_sum(stats, d)
@@ -433,17 +638,57 @@ def _find_resume(cfg: TrainConfig) -> Path | None:
     return stem
 
 
+# Keys that define what a run trains: a resume may not change them.
+_RUN_IDENTITY = ("model", "data", "img_size", "patch_size", "window_size", "num_classes")
+
+
+def _check_resume(saved: TrainConfig, cfg: TrainConfig, explicit: Any, stem: Path) -> None:
+    """A resume that would change the model, the data or the input size: one line, nothing
+    written (the checkpoint's shapes would not fit, or the run would silently change)."""
+    for key in _RUN_IDENTITY:
+        if key in explicit and getattr(cfg, key) != getattr(saved, key):
+            was, now = getattr(saved, key), getattr(cfg, key)
+            raise LgvitError(
+                f"--resume {stem}: the run trained with {key}={was!r}, not {now!r}; continue "
+                f"it without changing {key}, or start a new run (another --out) from its "
+                f"weights with --initial-checkpoint {stem}"
+            )
+
+
 def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
     """Run (or resume) a training run as configured; returns the last epoch's metrics.
 
     When resuming, the run's saved config is used; only ``out``, ``resume`` and the keys named
     in ``explicit`` (what this invocation set: flags, ``--set``, the YAML file) override it.
+    The run directory is locked for the run's duration (:mod:`lgvit.rundir`).
     """
-    d = setup_distributed()
+    d = setup_distributed(cfg.device)
     out = Path(cfg.out)
+    lock = RunLock(out)
+    created = not out.exists()
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
-    barrier(d)
+        lock.acquire()
+    ctl = RunControl(cfg, d)
+    try:
+        barrier(d)
+        ctl.install()
+        return _train(cfg, explicit, d, out, lock, ctl)
+    finally:
+        ctl.restore()
+        lock.release()
+        if created and d.main and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # a refused start leaves no trace
+
+
+def _train(
+    cfg: TrainConfig,
+    explicit: Any,
+    d: Dist,
+    out: Path,
+    lock: RunLock,
+    ctl: RunControl,
+) -> dict[str, Any]:
     log = RunLog(out, d.main)
     resume_stem = _find_resume(cfg)
     if resume_stem is None and checkpoint_paths(out / "last")[0].exists():
@@ -453,17 +698,20 @@ def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -
     state: dict[str, Any] | None = None
     weights: dict[str, torch.Tensor] | None = None
     if resume_stem is not None:
-        weights, state = load_checkpoint_pair(resume_stem)
+        weights, state = load_checkpoint_pair(resume_stem, repair=d.main)
         saved = config_from_dict(state["config"], source=f"{resume_stem}")
+        _check_resume(saved, cfg, explicit, resume_stem)
         now = config_to_dict(cfg)
-        keep = {k: now[k] for k in {"out", "resume", *explicit}}
+        keep = {k: now[k] for k in {"out", "resume", *explicit} - {"initial_checkpoint"}}
         cfg = config_from_dict({**config_to_dict(saved), **keep}, source="resume")
-    seed_everything(cfg.seed + d.rank)
+        ctl.cfg = cfg
     if d.main:
-        if resume_stem is None:  # a fresh run: no stale lines from a run that never saved
-            for name in ("metrics.jsonl", "train.log"):
-                (out / name).unlink(missing_ok=True)
-        save_config(cfg, out / "config.yaml")
+        if lock.note:
+            log(f"{out}: {lock.note}", console=True)
+        stale = remove_stale_temps(out)
+        if stale:
+            log(f"removed {len(stale)} temp file(s) of interrupted saves: {', '.join(stale[:3])}")
+    seed_everything(cfg.seed + d.rank)
 
     model, img_size = build_model(cfg, num_classes=cfg.num_classes or 1)
     splits = build_data(cfg, img_size, d)
@@ -472,10 +720,17 @@ def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -
         model.reset_classifier(num_classes)
     if weights is not None:
         model.load_state_dict(weights)
+    elif cfg.initial_checkpoint:
+        log(load_initial_weights(model, cfg.initial_checkpoint))
     model.to(d.device)
     amp = resolve_amp(cfg.amp, d.device)
     world = d.world_size
     global_batch = cfg.batch_size * world
+    if d.main:  # written once the run is known to start: a refused start changes nothing
+        if resume_stem is None:  # a fresh run: no stale lines from a run that never saved
+            for name in ("metrics.jsonl", "train.log"):
+                (out / name).unlink(missing_ok=True)
+        save_config(cfg, out / "config.yaml")
     log(
         f"model {cfg.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params), "
         f"data {cfg.data}: {len(splits.train)} train / {len(splits.test)} test images, "
@@ -501,12 +756,8 @@ def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -
         )
 
     base_lr = scaled_lr(cfg, world)
-    fused = {"fused": True} if d.device.type in ("cpu", "cuda") else {}
     groups = param_groups(model, cfg.weight_decay, cfg.offset_lr_factor)
-    optimizer = torch.optim.AdamW(
-        groups, lr=base_lr, betas=tuple(cfg.opt_betas),
-        eps=cfg.opt_eps, **fused,
-    )  # fmt: skip
+    optimizer = build_optimizer(cfg, groups, base_lr, d.device)
     scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 else None
     ema = ModelEma(model, cfg.ema_decay) if cfg.ema else None
     steps_per_epoch = len(train_loader)
@@ -515,8 +766,18 @@ def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -
         warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
         cfg=cfg,
         base_lr=base_lr,
+        steps_per_epoch=steps_per_epoch,
     )
+    if cfg.warmup_epochs >= cfg.epochs and cfg.warmup_epochs > 0 and resume_stem is None:
+        final = lr_at(schedule["total_steps"] - 1, **schedule)
+        warnings.warn(
+            f"warmup_epochs {cfg.warmup_epochs:g} >= epochs {cfg.epochs}: the learning rate "
+            f"rises for the whole run and ends at {final:.3g}, below its peak {base_lr:.3g} "
+            "(lower --set warmup_epochs=...)",
+            stacklevel=2,
+        )
     start_epoch, step, best = 0, 0, None
+    resume_in_epoch: EpochProgress | None = None
     history: list[dict[str, Any]] = []  # metrics.jsonl, also kept in every checkpoint
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
@@ -525,15 +786,29 @@ def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -
         if ema is not None and state.get("ema"):
             ema.shadow = {k: v.to(d.device) for k, v in state["ema"].items()}
         start_epoch, step, best = state["epoch"] + 1, state["global_step"], state["best_metric"]
-        rngs = state.get("extra", {}).get("rng_per_rank") or []
+        extra = state.get("extra", {})
+        rngs = extra.get("rng_per_rank") or []
         if len(rngs) == world:  # same process count: continue every rank's random stream
             restore_rng_state(rngs[d.rank])
-        history = list(state.get("extra", {}).get("history", []))
+        history = list(extra.get("history", []))
+        mid = extra.get("mid_epoch")
+        if mid is not None:  # saved inside an epoch: continue that epoch at the next batch
+            start_epoch = state["epoch"]
+            resume_in_epoch = EpochProgress(mid["batch"], mid["loss_sum"], mid["images"])
+            aug_states = mid.get("aug_rng_per_rank") or []
+            train_loader.set_epoch(
+                start_epoch, mid["batch"], aug_states[d.rank] if len(aug_states) == world else None
+            )
         if d.main:  # metrics.jsonl as of the checkpoint: no lost or doubled epochs
             atomic_write_bytes(
                 out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history).encode()
             )
-        log(f"resumed from {resume_stem} after epoch {state['epoch'] + 1}")
+        where = (
+            f"at epoch {start_epoch + 1} step {resume_in_epoch.batch}/{steps_per_epoch}"
+            if resume_in_epoch
+            else f"after epoch {state['epoch'] + 1}"
+        )
+        log(f"resumed from {resume_stem} {where}")
 
     net: nn.Module = model
     if world > 1:
@@ -547,51 +822,90 @@ def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -
     metrics: dict[str, Any] = {}
     t_start = time.time()
     clock = RunClock(cfg.epochs * steps_per_epoch, step)
+
+    def save(epoch: int, step: int, is_best: bool, mid: EpochProgress | None = None) -> None:
+        extra: dict[str, Any] = {"history": history}
+        if mid is not None:
+            extra["mid_epoch"] = {
+                "batch": mid.batch, "loss_sum": mid.loss_sum, "images": mid.images,
+                "aug_rng": train_loader.aug_state(),
+            }  # fmt: skip
+        try:
+            _save(model, optimizer, scaler, ema, cfg, epoch, step, best, meta, out, is_best, d,
+                  extra)  # fmt: skip
+        except LgvitError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- disk full, permissions, a vanished directory
+            cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise LgvitError(
+                f"saving the checkpoint to {out} failed: {cause}; the previous checkpoint "
+                "there is kept and still loads"
+            ) from None
+
     for epoch in range(start_epoch, cfg.epochs):
-        train_loader.set_epoch(epoch)
+        if resume_in_epoch is None:
+            train_loader.set_epoch(epoch)
         t0 = time.time()
+
+        def save_mid_epoch(progress: EpochProgress, step: int, epoch: int = epoch) -> None:
+            save(epoch, step, False, progress)
+            log(f"saved a mid-epoch checkpoint at epoch {epoch + 1} step {progress.batch}")
+
+        done_before = resume_in_epoch.images if resume_in_epoch else 0
         train_loss, seen, step = train_one_epoch(
             net, train_loader, optimizer, scaler, ema, cfg, d, amp, step, schedule, epoch, log,
-            clock,
+            clock, ctl, save_mid_epoch, resume_in_epoch,
         )  # fmt: skip
+        resume_in_epoch = None
         train_time = time.time() - t0
-        ev = evaluate(net, test_loader, num_classes, d, amp)
-        if ema is not None:
-            ev_model = _ema_model(model, ema)
-            ev["ema_acc1"] = evaluate(ev_model, test_loader, num_classes, d, amp, "eval EMA")[
-                "acc1"
-            ]
+        last = epoch + 1 == cfg.epochs
         metrics = {
             "epoch": epoch,
             "train_loss": round(train_loss, 6),
-            "test_acc1": round(ev["acc1"], 4),
-            "test_acc5": round(ev["acc5"], 4),
-            "test_loss": round(ev["loss"], 6),
             "lr": optimizer.param_groups[0]["lr"],
-            "img_per_s": round(seen / train_time, 2),
-            "epoch_time_s": round(time.time() - t0, 3),
+            "img_per_s": round((seen - done_before * world) / train_time, 2),
         }
-        if "ema_acc1" in ev:
-            metrics["test_ema_acc1"] = round(ev["ema_acc1"], 4)
-        is_best = best is None or ev["acc1"] > best
-        best = ev["acc1"] if is_best else best
+        evaluated = last or (epoch + 1) % cfg.eval_every == 0
+        is_best = False
+        if evaluated:
+            ev = evaluate(net, test_loader, num_classes, d, amp)
+            if ema is not None:
+                ev_model = _ema_model(model, ema)
+                ema_ev = evaluate(ev_model, test_loader, num_classes, d, amp, "eval EMA")
+                metrics["test_ema_acc1"] = round(ema_ev["acc1"], 4)
+            metrics.update(
+                test_acc1=round(ev["acc1"], 4), test_acc5=round(ev["acc5"], 4),
+                test_loss=round(ev["loss"], 6),
+            )  # fmt: skip
+            is_best = best is None or ev["acc1"] > best
+            best = ev["acc1"] if is_best else best
+        metrics["epoch_time_s"] = round(time.time() - t0, 3)
         history.append(metrics)
         if d.main:
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(metrics) + "\n")
-        _save(model, optimizer, scaler, ema, cfg, epoch, step, best, meta, out, is_best, d, history)
+        timed_out = bool(cfg.time_limit_min and (time.time() - t_start) / 60 > cfg.time_limit_min)
+        if last or timed_out or ctl.signum or (epoch + 1) % cfg.save_every == 0 or is_best:
+            save(epoch, step, is_best)
+            ctl.last_save = time.perf_counter()
+        tested = (
+            f", test top-1 {metrics['test_acc1']:.2f}% top-5 {metrics['test_acc5']:.2f}%"
+            if evaluated
+            else ""
+        )
+        eta = f", run ETA {format_duration(clock.eta(step) or 0)}" if not last else ""
         log(
-            f"epoch {epoch + 1}/{cfg.epochs}: train loss {train_loss:.4f}, test top-1 "
-            f"{ev['acc1']:.2f}% top-5 {ev['acc5']:.2f}%, {metrics['img_per_s']:.0f} img/s, "
-            f"{metrics['epoch_time_s']:.1f}s"
-            + (
-                f", run ETA {format_duration(clock.eta(step) or 0)}"
-                if epoch + 1 < cfg.epochs
-                else ""
-            )
+            f"epoch {epoch + 1}/{cfg.epochs}: train loss {train_loss:.4f}{tested}, "
+            f"{metrics['img_per_s']:.0f} img/s, {metrics['epoch_time_s']:.1f}s{eta}"
         )
         _fault_injection(epoch)
-        if cfg.time_limit_min and (time.time() - t_start) / 60 > cfg.time_limit_min:
+        if ctl.signum:
+            raise Preempted(
+                f"stopped by {signal.Signals(ctl.signum).name} after epoch {epoch + 1}; saved "
+                f"{out / 'last'}. Continue with: lgvit train --out {out} --resume auto",
+                ctl.signum,
+            )
+        if timed_out:
             log(f"time limit of {cfg.time_limit_min} min reached after epoch {epoch + 1}")
             break
     barrier(d)
@@ -621,21 +935,27 @@ def _save(
     out: Path,
     is_best: bool,
     d: Dist,
-    history: list[dict[str, Any]],
+    extra: dict[str, Any],
 ) -> None:
-    """Atomic checkpoints by rank 0; every rank's RNG state is gathered so resume is exact."""
+    """Atomic checkpoints by rank 0; every rank's RNG state (and, mid-epoch, augmentation
+    stream) is gathered so resume is exact."""
     rng = build_train_state(rng=True)["rng"]
-    rngs = [None] * d.world_size
+    aug = extra.get("mid_epoch", {}).pop("aug_rng", None)
+    rngs: list[Any] = [None] * d.world_size
+    augs: list[Any] = [None] * d.world_size
     if d.world_size > 1:
         dist.all_gather_object(rngs, rng)
+        dist.all_gather_object(augs, aug)
     else:
-        rngs = [rng]
+        rngs, augs = [rng], [aug]
     if not d.main:
         return
+    if "mid_epoch" in extra:
+        extra["mid_epoch"]["aug_rng_per_rank"] = augs
     state = build_train_state(
         optimizer=optimizer, scaler=scaler, ema=ema, epoch=epoch, global_step=step,
         best_metric=best, config=config_to_dict(cfg), rng=True,
-        extra={"rng_per_rank": rngs, "history": history},
+        extra={"rng_per_rank": rngs, **extra},
     )  # fmt: skip
     weights = state_dict_to_cpu(model.state_dict())
     save_checkpoint(out / "last", weights, state, metadata=meta)

@@ -224,11 +224,34 @@ class BatchLoader:
 
     # ------------------------------------------------------------------ sharding
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose permutation and augmentation stream to use."""
+    def set_epoch(
+        self, epoch: int, start_batch: int = 0, aug_state: torch.Tensor | None = None
+    ) -> None:
+        """Select the epoch whose permutation and augmentation stream to use. ``start_batch``
+        and ``aug_state`` (from :meth:`aug_state` after that many batches) continue an epoch
+        in the middle, exactly: the next pass yields batch ``start_batch`` onwards with the
+        augmentation draws it would have had. They apply to the next pass only."""
         if epoch < 0:
             raise LgvitError(f"epoch must be non-negative, got {epoch}")
+        if not 0 <= start_batch <= len(self):
+            raise LgvitError(f"start_batch {start_batch} is outside the epoch's {len(self)}")
         self.epoch = epoch
+        self._start = (start_batch, aug_state)
+
+    def aug_state(self) -> torch.Tensor | None:
+        """The augmentation generator's state after the batches yielded so far this epoch."""
+        gen = getattr(self, "_gen", None)
+        return gen.get_state() if gen is not None else None
+
+    def _pass_start(self) -> tuple[int, torch.Generator]:
+        """The first batch of this pass and the augmentation generator, positioned there."""
+        start, state = getattr(self, "_start", (0, None))
+        self._start = (0, None)
+        gen = torch.Generator().manual_seed(_seed(self.seed, self.epoch, self.rank, 1))
+        if state is not None:
+            gen.set_state(state)
+        self._gen = gen
+        return start, gen
 
     @property
     def dataset_size(self) -> int:
@@ -329,8 +352,8 @@ class BatchLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         idx_all = self.indices()
-        gen = torch.Generator().manual_seed(_seed(self.seed, self.epoch, self.rank, 1))
-        for s, e in self._batch_bounds(idx_all.numel()):
+        start, gen = self._pass_start()
+        for s, e in self._batch_bounds(idx_all.numel())[start:]:
             idx = idx_all[s:e].to(self.images.device)
             x, y = self.images[idx], self.labels[idx]
             if self.train:

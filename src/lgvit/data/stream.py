@@ -65,15 +65,18 @@ class _DecodeBatches(Dataset):
         scale: tuple[float, float],
         ratio: tuple[float, float],
         seed: int,
+        first: int = 0,
     ) -> None:
         self.paths, self.batches, self.size, self.train = paths, batches, size, train
         self.crop_pct, self.scale, self.ratio, self.seed = crop_pct, scale, ratio, seed
+        self.first = first  # index of batches[0] in the epoch (its crops' seed)
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rng = random.Random(self.seed * 1_000_003 + i)  # per batch: workers can't reorder it
+        # Seeded per batch of the epoch: workers can't reorder it, a resume can skip batches.
+        rng = random.Random(self.seed * 1_000_003 + self.first + i)
         s = self.size
         out = np.zeros((len(self.batches[i]), s, s, 3), dtype=np.uint8)
         ok = torch.zeros(len(self.batches[i]), dtype=torch.bool)
@@ -123,16 +126,17 @@ class StreamingLoader(BatchLoader):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         idx_all = self.indices()
         batches = [idx_all[s:e].tolist() for s, e in self._batch_bounds(idx_all.numel())]
+        start, gen = self._pass_start()  # mid-epoch resume: skip decoding the batches done
+        batches = batches[start:]
         a = self._crop_aug
         ds = _DecodeBatches(
             self.files.paths, batches, a.img_size, self.train, a.crop_pct, a.rrc_scale,
-            a.rrc_ratio, _seed(self.seed, self.epoch, self.rank, 2),
+            a.rrc_ratio, _seed(self.seed, self.epoch, self.rank, 2), first=start,
         )  # fmt: skip
         dl = DataLoader(
             ds, batch_size=None, shuffle=False, num_workers=self.workers,
             pin_memory=self.device.type == "cuda",
         )  # fmt: skip
-        gen = torch.Generator().manual_seed(_seed(self.seed, self.epoch, self.rank, 1))
         for (x, ok), idx in zip(dl, batches, strict=True):
             y = self.labels[idx]
             self.seen += len(idx)

@@ -1,0 +1,96 @@
+"""A run directory is owned by one training run at a time.
+
+``RunLock`` creates ``<out>/.lock`` exclusively (``O_CREAT | O_EXCL``) holding the owner's pid,
+host and start time. A second run into the same directory is refused in one line naming the
+owner; a lock left by a process that no longer exists on this host is taken over, with a note.
+A lock from another host cannot be checked: it is refused, and the message says how to remove
+it. While the lock is held, temp files of interrupted saves (``.<name>.tmp-<pid>``) can only
+be leftovers, and :func:`remove_stale_temps` deletes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from lgvit.errors import LgvitError
+
+LOCK_NAME = ".lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class RunLock:
+    """Exclusive ownership of a run directory; ``note`` says what happened to a stale lock."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = Path(out) / LOCK_NAME
+        self.note: str | None = None
+        self.held = False
+
+    def acquire(self) -> RunLock:
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        for _ in range(3):  # a stale lock is removed and creation retried
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._handle_existing(me["host"])
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+        raise LgvitError(f"{self.path}: could not take the run directory's lock")
+
+    def _handle_existing(self, host: str) -> None:
+        try:
+            owner = json.loads(self.path.read_text())
+            pid, where = int(owner["pid"]), str(owner["host"])
+        except FileNotFoundError:
+            return  # released meanwhile: retry
+        except (ValueError, KeyError, TypeError, OSError):
+            owner, pid, where = {}, -1, host  # unreadable (a crash while writing it): stale
+        if where != host:
+            raise LgvitError(
+                f"{self.path.parent} is in use by pid {pid} on host {where}; if that run is "
+                f"gone, delete {self.path} (or use another --out)"
+            )
+        if pid > 0 and _alive(pid) and pid != os.getpid():
+            started = owner.get("started")
+            since = time.strftime(" since %H:%M:%S", time.localtime(started)) if started else ""
+            raise LgvitError(
+                f"{self.path.parent} is in use by another run (pid {pid}{since}); wait for it to "
+                "finish or use another --out"
+            )
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self.note = f"took over the lock of pid {pid}, which no longer runs"
+
+    def release(self) -> None:
+        if self.held:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            self.held = False
+
+
+def remove_stale_temps(out: Path) -> list[str]:
+    """Delete temp files of interrupted saves in ``out`` (call with the lock held); returns
+    their names."""
+    removed = []
+    for tmp in sorted(Path(out).glob(".*.tmp-*")):
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+            removed.append(tmp.name)
+    return removed
