@@ -13,7 +13,7 @@ from lgvit.measure import count_macs, count_params
 from lgvit.models.layers import resize_pos_embed
 from lgvit.models.lsa import CIFAR_SHIFTS, LocalShiftAttention, ShiftEmbedding
 
-# (name, paper params in M). The paper's parameter counts, SPEC.md section 1.
+# (name, paper params in M): the papers' parameter counts (docs/models.md, per family).
 PAPER_PARAMS = {
     "lsa_tiny_cifar": 10.2,
     "lsa_small_cifar": 36.2,
@@ -56,7 +56,8 @@ def test_tiny_cifar_is_multi_query_with_three_heads():
 
 
 def test_macs_match_spec():
-    # SPEC.md: lsa_tiny_224 3.62G, lsa_small_224 7.70G measured MACs.
+    # Measured MACs: lsa_tiny_224 3.62G, lsa_small_224 7.70G (the paper's FLOPs count one of
+    # the T embedding convs; docs/models.md).
     for name, want in (("lsa_tiny_224", 3.62), ("lsa_small_224", 7.70)):
         got = count_macs(meta_model(name), (3, 224, 224)) / 1e9
         assert abs(got - want) / want < 0.01, f"{name}: {got:.3f}G"

@@ -893,6 +893,8 @@ def _train(
             if evaluated
             else ""
         )
+        if "test_ema_acc1" in metrics:
+            tested += f" (EMA top-1 {metrics['test_ema_acc1']:.2f}%)"
         eta = f", run ETA {format_duration(clock.eta(step) or 0)}" if not last else ""
         log(
             f"epoch {epoch + 1}/{cfg.epochs}: train loss {train_loss:.4f}{tested}, "

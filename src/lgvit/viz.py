@@ -151,7 +151,7 @@ def _overlay(ax: Any, image: torch.Tensor, grid_map: torch.Tensor, title: str, *
     h, w = image.shape[:2]
     ax.imshow(image.numpy(), extent=(0, w, h, 0), interpolation="nearest")
     art = ax.imshow(
-        grid_map.numpy(), extent=(0, w, h, 0), alpha=kw.pop("alpha", 0.6), interpolation="nearest",
+        grid_map.numpy(), extent=(0, w, h, 0), alpha=kw.pop("alpha", 0.75), interpolation="nearest",
         **kw,
     )  # fmt: skip
     ax.set_title(title, fontsize=9)
@@ -372,6 +372,8 @@ def _pixels(points: torch.Tensor, sy: float, sx: float) -> tuple[torch.Tensor, t
 
 
 def _default_positions(h: int, w: int) -> list[tuple[int, int]]:
+    if h * w <= 4:  # a small last grid (CIFAR-sized inputs): every output token
+        return [(y, x) for y in range(h) for x in range(w)]
     pts = [(h // 2, w // 2), (h // 4, w // 4), (h - 1 - h // 4, w - 1 - w // 4)]
     return list(dict.fromkeys(pts))
 
