@@ -101,6 +101,16 @@ def test_sigterm_mid_epoch_then_resume_matches_an_uninterrupted_run(tmp_path):
         assert [m[key] for m in a] == [m[key] for m in b], key
 
 
+def test_ctrl_c_saves_mid_epoch_too(tmp_path):
+    cut = tmp_path / "cut"
+    p = lgvit("train", *SYN, "--epochs", "2", "--out", str(cut),
+              env={**ENV, "LGVIT_SIGINT_AT_STEP": "7"})  # fmt: skip
+    assert p.returncode == 128 + signal.SIGINT, p.stderr[-2000:]
+    assert "stopped by SIGINT at epoch 1 step 7/16" in p.stderr
+    _, state = load_checkpoint_pair(cut / "last")
+    assert state["extra"]["mid_epoch"]["batch"] == 7 and state["epoch"] == 0
+
+
 def test_periodic_checkpoints_eval_every_and_save_every(tmp_path):
     run, p = _run(tmp_path, "r", "--epochs", "3", "--set", "save_every_steps=6",
                   "--set", "eval_every=2", "--set", "save_every=2")  # fmt: skip

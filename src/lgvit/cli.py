@@ -247,13 +247,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
     model = load_model(args.checkpoint, args.device, args.model, args.img_size)
     device = next(model.parameters()).device
     classes = model.pretrained_cfg.get("label_names")  # the checkpoint's class names
-    results, failed = [], 0
+    results, failed = [], []
     for path in images:
         try:
             x = preprocess_images(model, [path])  # its normalisation; LgvitError if unreadable
-        except LgvitError as e:  # one bad file among good ones: say so, go on
-            print(f"lgvit predict: skipped: {e}", file=sys.stderr)
-            failed += 1
+        except LgvitError as e:  # one bad file among good ones: say so (below), go on
+            failed.append(str(e))
             continue
         with torch.no_grad():
             probs = model(x.to(device)).softmax(-1)[0].cpu()
@@ -264,7 +263,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
                                     zip(labels, top.values.tolist(), strict=True)]}
         )  # fmt: skip
     if failed and not results:
-        raise LgvitError(f"none of the {failed} image(s) could be read")
+        more = f" (and {len(failed) - 1} more unreadable)" if len(failed) > 1 else ""
+        raise LgvitError(failed[0] + more)
+    for msg in failed:
+        print(f"lgvit predict: skipped: {msg}", file=sys.stderr)
     if args.json:
         print(json.dumps(results, indent=2))
     else:
@@ -294,7 +296,7 @@ def cmd_viz(args: argparse.Namespace) -> int:
     from lgvit.viz import visualize
 
     paths = visualize(args.checkpoint, args.images, args.what, args.out, args.per_head,
-                      args.query, args.positions or (), args.device)  # fmt: skip
+                      args.query, args.positions or (), args.device, args.model)  # fmt: skip
     for p in paths:
         print(p)
     return 0
@@ -475,6 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--positions", type=_pair, nargs="+", metavar="Y,X",
                    help="dtm-offsets: output positions on the last merge's grid")  # fmt: skip
     p.add_argument("--device", default="cpu")
+    p.add_argument("--model", help="the architecture of a .pth state dict (e.g. lit_ti)")
     p.set_defaults(func=cmd_viz)
     return parser
 

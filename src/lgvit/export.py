@@ -31,9 +31,12 @@ TOLERANCE = 1e-4  # max abs logit difference accepted by --check (fp32 reorderin
 _SUFFIX = {"onnx": ".onnx", "pt2": ".pt2", "hf": ""}
 
 
-def load_source(source: str, img_size: int | None = None) -> tuple[nn.Module, bool]:
+def load_source(
+    source: str, img_size: int | None = None, model_name: str | None = None
+) -> tuple[nn.Module, bool]:
     """``(eval-mode CPU model, has_trained_weights)`` from a registered name (random weights),
-    ``local-dir:``/``hf-hub:``, or a checkpoint (``runs/x/best``, ``.safetensors``)."""
+    ``local-dir:``/``hf-hub:``, or a checkpoint (``runs/x/best``, ``.safetensors``, or a
+    ``.pth`` state dict such as the authors' releases, with ``model_name``)."""
     from lgvit.inference import load_model
     from lgvit.models import create_model, is_model
 
@@ -48,7 +51,7 @@ def load_source(source: str, img_size: int | None = None) -> tuple[nn.Module, bo
     near = (source + s for s in ("", ".safetensors", ".pt", ".pth"))
     if os.sep not in source and not any(Path(f).exists() for f in near):
         raise LgvitError(f"{source!r} is neither a registered model nor a checkpoint path")
-    return load_model(source, "cpu", img_size=img_size).eval(), True
+    return load_model(source, "cpu", model_name, img_size=img_size).eval(), True
 
 
 def metadata(model: nn.Module) -> dict[str, str]:

@@ -433,7 +433,11 @@ class RunControl:
         self.signum: int | None = None
         self.last_save = time.perf_counter()
         self._old: dict[int, Any] = {}
-        self.test_signal_step = int(os.environ.get("LGVIT_SIGTERM_AT_STEP", "-1"))
+        self.test_signals = [
+            (sig, int(os.environ[f"LGVIT_{sig.name}_AT_STEP"]))
+            for sig in (signal.SIGTERM, signal.SIGINT)
+            if os.environ.get(f"LGVIT_{sig.name}_AT_STEP")
+        ]
 
     def install(self) -> None:
         import threading
@@ -455,8 +459,9 @@ class RunControl:
     def due(self, batch: int, last_batch: bool, step: int = -1) -> tuple[bool, bool]:
         """``(save now, then stop)`` after ``batch`` steps of the epoch (same on every rank)."""
         cfg = self.cfg
-        if step == self.test_signal_step:  # test hook: a preemption at a known step
-            os.kill(os.getpid(), signal.SIGTERM)
+        for sig, at in self.test_signals:  # test hook: a preemption at a known step
+            if step == at:
+                os.kill(os.getpid(), sig)
         minutes = (time.perf_counter() - self.last_save) / 60
         periodic = not last_batch and (
             (cfg.save_every_steps and batch % cfg.save_every_steps == 0)

@@ -494,16 +494,18 @@ def visualize(
     query: tuple[int, int] | None = None,
     positions: Sequence[tuple[int, int]] = (),
     device: str = "cpu",
+    model_name: str | None = None,
 ) -> list[Path]:
-    """Load ``checkpoint`` (or a registered name: random weights), run it on ``images`` and
-    write the ``what`` figures into ``out``; returns the paths written."""
+    """Load ``checkpoint`` (or a registered name: random weights; a ``.pth`` state dict such
+    as the authors' releases with ``model_name``), run it on ``images`` and write the ``what``
+    figures into ``out``; returns the paths written."""
     if what not in KINDS:
         raise LgvitError(f"--what {what!r}: choose one of {', '.join(KINDS)}")
     need_matplotlib()
     from lgvit.export import load_source
     from lgvit.inference import preprocess_images
 
-    model, _ = load_source(checkpoint)
+    model, _ = load_source(checkpoint, model_name=model_name)
     model = model.to(device).eval()
     x = preprocess_images(model, images).to(device)
     stems = _unique_stems(images)
