@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from lgvit.measure import describe_machine, run_in_fresh_process
+from lgvit.measure import describe_machine, run_in_fresh_process, time_fn
 
 
 def measure(model_name: str, batch: int, tuned: bool, train: bool, steps: int) -> float:
@@ -45,14 +44,7 @@ def measure(model_name: str, batch: int, tuned: bool, train: bool, steps: int) -
             with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16):
                 model(x)
 
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return batch / statistics.median(times)
+    return batch / time_fn(step, warmup=2, repeats=steps)
 
 
 def main() -> None:

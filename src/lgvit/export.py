@@ -14,8 +14,6 @@ import io
 import json
 import logging
 import os
-import statistics
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -216,13 +214,9 @@ def _runner(model: nn.Module, fmt: str, out: Path) -> Callable[[torch.Tensor], t
 
 
 def _median_ms(fn: Callable[[], Any], repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    from lgvit.measure import time_fn
+
+    return 1000 * time_fn(fn, warmup=1, repeats=repeats)
 
 
 def check(

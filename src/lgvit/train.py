@@ -467,13 +467,14 @@ class RunControl:
             (cfg.save_every_steps and batch % cfg.save_every_steps == 0)
             or (cfg.save_every_min and minutes > cfg.save_every_min)
         )
-        flags = torch.tensor([float(self.signum or 0), float(bool(periodic))])
+        stop, periodic = bool(self.signum), bool(periodic)
         if self.d.world_size > 1:  # every rank must stop (and save) at the same step
-            flags = all_reduce_sum(flags.to(self.d.device), self.d).cpu()
-            if flags[0] and not self.signum:
+            flags = torch.tensor([float(stop), float(periodic)], device=self.d.device)
+            flags = all_reduce_sum(flags, self.d).cpu()
+            stop, periodic = bool(flags[0]), bool(flags[1])
+            if stop and not self.signum:
                 self.signum = signal.SIGTERM
-        stop = bool(flags[0])
-        return stop or bool(flags[1]), stop
+        return stop or periodic, stop
 
 
 @dataclass
@@ -560,14 +561,15 @@ def train_one_epoch(
         loss_sum += loss.detach().double().cpu()
         images += len(x)
         step += 1
-        run_eta = clock.eta(step) if clock else None
-        eta = f", run ETA {format_duration(run_eta)}" if run_eta is not None else ""
-        if progress.wants_postfix():
+        if progress.wants_postfix():  # figures (and the loss's device sync) twice a second
+            run_eta = format_duration((clock.eta(step) if clock else None) or 0)
             progress.update(len(x) * d.world_size, loss=f"{loss.item():.4f}", lr=f"{lr:.3g}",
-                            run_ETA=format_duration(run_eta or 0))  # fmt: skip
+                            run_ETA=run_eta)  # fmt: skip
         else:
             progress.update(len(x) * d.world_size)
         if cfg.log_every and (i + 1) % cfg.log_every == 0:
+            run_eta = clock.eta(step) if clock else None
+            eta = f", run ETA {format_duration(run_eta)}" if run_eta is not None else ""
             line = (
                 f"epoch {epoch} step {i + 1}/{len(loader)} loss {loss.item():.4f} lr {lr:.3g}, "
                 f"{progress.img_per_s:.0f} img/s, epoch ETA {format_duration(progress.eta())}{eta}"
