@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 import lgvit
 from lgvit.measure import count_macs, count_params
-from lgvit.models.layers import resize_pos_embed
+from lgvit.models import create_model
+from lgvit.models.layers import as_written, resize_pos_embed
 from lgvit.models.lsa import CIFAR_SHIFTS, LocalShiftAttention, ShiftEmbedding
 
 # (name, paper params in M): the papers' parameter counts (docs/models.md, per family).
@@ -79,6 +82,7 @@ def test_shift_embedding_matches_roll_and_conv_per_variant():
     emb = ShiftEmbedding(CIFAR_SHIFTS, 3, 8, kernel_size=3, stride=1, padding=1)
     x = torch.randn(2, 3, 7, 6)
     x0, out, grid = emb(x)
+    out = out.materialize()
     assert grid == (7, 6) and out.shape == (18, 2, 42, 8)
     for t, (dy, dx) in enumerate(CIFAR_SHIFTS):
         w, b = emb.conv_weight(t)
@@ -93,6 +97,7 @@ def test_shift_embedding_stride_matches_reference():
     emb = ShiftEmbedding(shifts, 3, 4, kernel_size=9, stride=7, padding=1)
     x = torch.randn(1, 3, 30, 30)
     x0, out, grid = emb(x)
+    out = out.materialize()
     for t, s in enumerate(shifts):
         w, b = emb.conv_weight(t)
         ref = F.conv2d(torch.roll(x, s, (2, 3)), w, b, stride=7, padding=1)
@@ -104,6 +109,7 @@ def test_reflection_shift_embedding_matches_reference():
     emb = ShiftEmbedding(CIFAR_SHIFTS, 3, 5, conv_per_variant=False)
     x = torch.randn(2, 3, 8, 8)
     x0, out, _ = emb(x)
+    out = out.materialize()
     w, b = emb.conv_weight(0)
     for t, (dy, dx) in enumerate(CIFAR_SHIFTS):
         # Translate by (dy, dx) with reflection padding: pad by 2 (reflect), crop the window.
@@ -111,6 +117,73 @@ def test_reflection_shift_embedding_matches_reference():
         shifted = p[:, :, 2 - dy : 2 - dy + 8, 2 - dx : 2 - dx + 8]
         ref = F.conv2d(shifted, w, b, padding=1)
         torch.testing.assert_close(out[t], ref.flatten(2).transpose(1, 2))
+
+
+def _random_affine(model: torch.nn.Module) -> None:
+    """Non-trivial biases and LayerNorm affines (they are zeros and ones at init)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.normal_(0, 0.3)
+
+
+@pytest.mark.parametrize(
+    "name,kwargs",
+    [
+        ("lsa_tiny_cifar", {}),  # one K/V head, conv and position embedding per variant
+        ("lsa_tiny_cifar", {"kv_heads": 3}),
+        ("lsa_tiny_cifar_c", {}),  # one shared conv, one shared position embedding
+        ("lsa_micro_cifar", {"img_size": 20}),  # stride 2, 9 shifts, 2 heads
+    ],
+)
+def test_folded_local_block_matches_the_architecture_as_written(name, kwargs):
+    """The folded key/value projection (LayerNorm statistics from Gram matrices, the norm and
+    projection folded into the conv weight, offsets as logit bias and value correction) gives
+    the outputs and the gradients of the architecture as written, in float64."""
+    torch.manual_seed(0)
+    kwargs = {"img_size": 12, "drop_path_rate": 0.0, **kwargs}
+    m = create_model(name, **kwargs).double()
+    _random_affine(m)
+    x = torch.randn(3, 3, *m.img_size, dtype=torch.float64)
+    grads = []
+    for ctx in (contextlib.nullcontext(), as_written()):
+        m.zero_grad()
+        with ctx:
+            y = m(x)
+            (y.square().sum() + y[:, 0].sum()).backward()
+        grads.append((y.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+    (y, g), (y_ref, g_ref) = grads
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-12)
+    for n, ref in g_ref.items():
+        torch.testing.assert_close(g[n], ref, rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_folded_local_block_under_bf16_autocast_stays_close():
+    torch.manual_seed(0)
+    m = create_model("lsa_tiny_cifar", img_size=16).eval()
+    _random_affine(m)
+    x = torch.randn(4, 3, 16, 16)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        y = m(x).float()
+        with as_written():
+            y_ref = m(x).float()
+    with torch.no_grad():
+        y32 = m(x)
+    # bf16 rounds both ways alike: each is as far from float32 as the other.
+    assert (y - y32).abs().max() <= 2 * (y_ref - y32).abs().max() + 1e-3
+
+
+def test_folded_projection_executes_fewer_macs_than_the_architecture():
+    m = meta_model("lsa_tiny_cifar")
+    x = torch.zeros(64, 3, 32, 32, device="meta")
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        m(x)
+    executed = counter.get_total_flops() // 2 / 64
+    counted = count_macs(m, (3, 32, 32))  # the architecture's
+    # The variants' 18 embedding convs (27 x 192) and K/V projection (192 x 128) per token
+    # become a 27 x 128 matmul and 27 x 27 statistics: 2.82G -> 2.37G per image at batch 64
+    # (the offsets' projection, once per batch, is 0.45G).
+    assert counted > 2.8e9 and executed < counted - 0.4e9
 
 
 @pytest.mark.parametrize("kv_heads", [1, 3])

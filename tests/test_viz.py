@@ -60,13 +60,15 @@ def test_captured_shift_attention_is_softmax_over_the_variants():
     model = lgvit.create_model("lsa_micro_cifar").eval()
     attn = next(m for m in model.modules() if isinstance(m, LocalShiftAttention))
     name = next(n for n, m in model.named_modules() if m is attn)
-    seen = _outputs(model, [f"{name}.q", f"{name}.kv"])
+    seen = _outputs(model, [f"{name}.q"])
     x = torch.randn(2, 3, 32, 32)
     weights, grid = viz.shift_weights(model, x)
     T, heads, d = len(model.patch_embed.shifts), attn.num_heads, attn.head_dim
     assert grid == (16, 16) and weights.shape == (2, heads, 16, 16, T)
     q = seen[f"{name}.q"][0].view(2, 256, heads, d)
-    k = seen[f"{name}.kv"][0][..., : attn.kv_heads * d]  # (T, B, N, kv_heads*d)
+    with torch.no_grad():  # keys of the variants as written: kv(LN(embedding + position))
+        variants = model.patch_embed(x)[1].add(model.pos_embed).materialize()
+        k = attn.kv(model.local_block.norm1(variants))[..., : attn.kv_heads * d].double()
     k = k.view(T, 2, 256, attn.kv_heads, d)
     g = heads // attn.kv_heads
     for h in range(heads):

@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from lgvit.models import create_model, get_model_config
+from lgvit.models.layers import as_written
 
 
 def count_params(model: nn.Module, include_head: bool = True) -> int:
@@ -35,7 +36,9 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int], batch: int = 
     multiply-accumulate-bound op; element-wise ops, norms, softmax and pooling are not counted,
     which is also how the papers count. Runs on whatever device the model is on (meta is fine).
     Attention runs through SDPA's math backend here: FlopCounterMode has no formula for the
-    fused CPU kernel and would silently count attention as zero.
+    fused CPU kernel and would silently count attention as zero. The model runs
+    :func:`~lgvit.models.layers.as_written`: the count is the architecture's (LSA's folded
+    key/value projection executes fewer MACs than the architecture it computes).
     """
     p = next(model.parameters())
     x = torch.zeros(batch, *input_size, device=p.device, dtype=p.dtype)
@@ -49,8 +52,9 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int], batch: int = 
 def count_macs_of(fn: Callable[[], Any]) -> int:
     """Multiply-accumulates of ``fn()`` as :func:`count_macs` counts them (attention through
     SDPA's math backend so it is counted; meta tensors are fine)."""
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        fn()
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), as_written():
+        with FlopCounterMode(display=False) as counter:
+            fn()
     return counter.get_total_flops() // 2
 
 

@@ -30,6 +30,7 @@ global block standing where the local block was; 6.8M params, as the paper's Tab
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ from lgvit.models.layers import (
     per_stage,
     register_resize_on_load,
     resize_pos_embed,
+    running_as_written,
     to_2tuple,
     tokens_to_map,
     trunc_normal_,
@@ -142,20 +144,110 @@ def shift_patch_index(
     return flat.reshape(len(shifts), h * w, channels * kernel * kernel), (h, w)
 
 
+@dataclass(frozen=True)
+class FoldedProjection:
+    """``linear(norm(variants))`` in parts: ``(scaled @ weight).view(T, B, N, -1) + scale *
+    offset[:, None] + bias`` (see :meth:`ShiftedVariants.fold`)."""
+
+    scaled: torch.Tensor  # (T, B*N, K): the patches times each token's 1/std
+    weight: torch.Tensor  # (T or 1, K, out): conv, norm affine and linear folded together
+    scale: torch.Tensor  # (T, B, N, 1): each variant token's 1/std
+    offset: torch.Tensor  # (T or 1, N or 1, out)
+    bias: torch.Tensor  # (out,)
+
+
+@dataclass(frozen=True)
+class ShiftedVariants:
+    """The T-variant tokens ``(T, B, N, C)``, kept as what they are made of.
+
+    Variant t of token n is ``patches[t, b*N + n] @ weight[t] + offset[t, n]``: the im2col
+    patch of the shifted copy, that copy's conv weight, its conv bias plus its position
+    embedding. :meth:`fold` gives ``linear(norm(variants))`` without building the variants:
+    the LayerNorm statistics come from ``K x K`` Gram matrices of the conv weight (K =
+    C_in*k*k = 27 for a 3x3 RGB conv) and the norm's affine map and the linear layer fold into
+    the conv weight. For lsa_tiny_cifar that is 27 x 128 multiply-adds per variant token instead
+    of 27 x 192 + 192 x 128, and the largest tensor of the model (T x the token stream, 453 MB
+    in bf16 at batch 64) is never written, normalised or read.
+    """
+
+    patches: torch.Tensor  # (T, B*N, K)
+    weight: torch.Tensor  # (T or 1, K, C)
+    offset: torch.Tensor  # (T or 1, N or 1, C): conv bias (+ position embedding)
+    batch: int
+    dense: torch.Tensor | None = None  # the variants themselves, when already built
+
+    @property
+    def shape(self) -> torch.Size:
+        T, BN, _ = self.patches.shape
+        return torch.Size((T, self.batch, BN // self.batch, self.weight.shape[-1]))
+
+    def add(self, pos: torch.Tensor) -> ShiftedVariants:
+        """The variants plus a position embedding ``(T or 1, N, C)``."""
+        dense = None if self.dense is None else self.dense + pos[:, None].to(self.dense.dtype)
+        return ShiftedVariants(self.patches, self.weight, self.offset + pos, self.batch, dense)
+
+    def materialize(self) -> torch.Tensor:
+        """The variants themselves, ``(T, B, N, C)``."""
+        if self.dense is not None:
+            return self.dense
+        T, B, N, C = self.shape
+        x = torch.matmul(self.patches, self.weight).view(T, B, N, C)
+        return x + self.offset[:, None].to(x.dtype)
+
+    def fold(self, norm: nn.Module, linear: nn.Linear) -> FoldedProjection | None:
+        """``linear(norm(variants))`` as a :class:`FoldedProjection`, or ``None`` when
+        ``norm`` is not a LayerNorm over the channels.
+
+        With w the conv weight and c the offset, both centred over the channels (LayerNorm
+        subtracts each token's mean, so ``v - mean(v) = P w + c``):
+        ``linear(norm(v)) = (rstd P) (w diag(g) L) + rstd (c diag(g) L) + (b L + l)`` for the
+        norm's weight g and bias b, the linear map L and its bias l, with
+        ``1/rstd^2 = ||P w + c||^2 / C + eps = (P G P' + 2 P h + s) / C + eps``,
+        ``G = w w'``, ``h = w c'``, ``s = ||c||^2``. The statistics run in float32 whatever
+        the autocast precision, as LayerNorm does under autocast.
+        """
+        T, B, N, C = self.shape
+        if running_as_written() or not (
+            isinstance(norm, nn.LayerNorm) and tuple(norm.normalized_shape) == (C,)
+        ):
+            return None
+        w = self.weight - self.weight.mean(-1, keepdim=True)  # (T', K, C)
+        c = self.offset - self.offset.mean(-1, keepdim=True)  # (T'', N, C)
+        lin = linear.weight.t()  # (C, out)
+        g_lin = lin if norm.weight is None else norm.weight[:, None] * lin
+        e = linear.bias if linear.bias is not None else lin.new_zeros(lin.shape[1])
+        if norm.bias is not None:
+            e = e + norm.bias @ lin
+        dev = self.patches.device.type
+        autocast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+        with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
+            sd = torch.promote_types(self.patches.dtype, torch.float32)
+            p = self.patches.to(sd).view(T, B, N, -1)
+            wf, cf = w.to(sd), c.to(sd)
+            gram = wf @ wf.transpose(1, 2)  # (T', K, K)
+            h = 2 * cf @ wf.transpose(1, 2)  # (T'', N, K)
+            quad = ((torch.matmul(p, gram[:, None]) + h[:, None]) * p).sum(-1)  # (T, B, N)
+            var = (quad + cf.square().sum(-1)[:, None]).clamp_min(0) / C
+            rstd = torch.rsqrt(var + norm.eps)[..., None]  # (T, B, N, 1)
+            scaled = (p * rstd).view(T, B * N, -1)  # rstd scales K columns, not `out`
+        if autocast:  # cast once here, not in each matmul that reads it
+            scaled = scaled.to(torch.get_autocast_dtype(dev))
+        return FoldedProjection(scaled, w @ g_lin, rstd, c @ g_lin, e)
+
+
 class ShiftEmbedding(nn.Module):
     """Embed T shifted copies of the image.
 
-    ``forward`` returns the unshifted tokens ``(B, N, dim)``, the T-variant tokens
-    ``(T, B, N, dim)`` (variant 0 included) and the token grid. ``conv_per_variant=True`` (the
+    ``forward`` returns the unshifted tokens ``(B, N, dim)``, the T-variant tokens (variant 0
+    included) as :class:`ShiftedVariants` (``.materialize()`` gives ``(T, B, N, dim)``) and
+    the token grid. ``conv_per_variant=True`` (the
     paper): copy t is the image rolled circularly by shift t, embedded by its own conv.
     ``conv_per_variant=False`` (ablations C/D): copies are translated with reflection padding and
     share one conv.
 
-    The convolutions are computed as one gather (im2col of all T copies at once, no Python loop
-    over shifts) and one batched matmul. The variants come out T-major, the layout LayerNorm and
-    the key/value projection read contiguously, so the largest tensor of the model is never
-    transposed. When training, the unshifted tokens are embedded separately (1/T extra work) so
-    the gradient of that tensor has a single consumer chain.
+    The patches of all T copies are gathered at once (im2col, no Python loop over shifts); the
+    variants stay patches until the local block folds their convolutions into its normalised
+    key/value projection.
     """
 
     def __init__(
@@ -214,7 +306,7 @@ class ShiftEmbedding(nn.Module):
 
     def forward(
         self, x: torch.Tensor, with_variants: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]]:
+    ) -> tuple[torch.Tensor, ShiftedVariants | None, tuple[int, int]]:
         B, C, H, W = x.shape
         index, grid = self._index(H, W, x.device)
         flat = F.pad(x.flatten(1), (0, 1))  # one trailing zero for padded taps
@@ -225,15 +317,13 @@ class ShiftEmbedding(nn.Module):
         patches = patches.view(B, T, -1).transpose(0, 1).reshape(T, B * index.shape[1], -1)
         if T == 1:
             return self._embed(patches, slice(0, 1))[0].view(B, -1, self.dim), None, grid
-        variants = self._embed(patches, slice(None)).view(T, B, -1, self.dim)
-        if torch.is_grad_enabled() and self.weight.requires_grad:
-            # Training: embed the unshifted copy again (1/T extra work) rather than slicing
-            # variant 0, whose backward would zero-fill and add a gradient the size of the
-            # whole T-variant tensor.
-            x0 = self._embed(patches[:1], slice(0, 1))[0].view(B, -1, self.dim)
-        else:
-            x0 = variants[0]
-        return x0, variants, grid
+        weight = self.weight.flatten(2).transpose(1, 2)  # (T or 1, CKK, dim)
+        variants = ShiftedVariants(patches, weight, self.bias[:, None], B)
+        if running_as_written():  # the architecture: T embeddings, variant 0 among them
+            dense = variants.materialize()
+            return dense[0], ShiftedVariants(patches, weight, self.bias[:, None], B, dense), grid
+        # The unshifted tokens are embedded on their own (1/T of the variants' work).
+        return self._embed(patches[:1], slice(0, 1))[0].view(B, -1, self.dim), variants, grid
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,35 +334,90 @@ class ShiftEmbedding(nn.Module):
 class LocalShiftAttention(Attention):
     """At each grid position, the unshifted token attends over that position's T variants.
 
-    ``query (B, N, C)`` and ``variants (T, B, N, C)``, both already normalised; output
-    ``(B, N, C)``. Softmax runs over T only; ``kv_heads=1`` shares one key/value head across all
-    query heads (the tiny CIFAR model). Same projections as the global :class:`Attention`.
+    ``query (B, N, C)``, already normalised, and the variants: a ``(T, B, N, C)`` tensor or
+    :class:`ShiftedVariants`, normalised here by ``norm`` (``None``: already normalised) on the
+    way into the key/value projection. Output ``(B, N, C)``. Softmax runs over T only;
+    ``kv_heads=1`` shares one key/value head across all query heads (the tiny CIFAR model).
+    Same projections as the global :class:`Attention`.
+
+    :class:`ShiftedVariants` under a LayerNorm take the folded path: keys and values come
+    straight from the patches (:meth:`ShiftedVariants.fold`) and are read where they lie,
+    T-major; the per-position offset terms enter as a logit bias and a value correction
+    computed on the small ``(B, N, heads, T)`` probabilities.
     """
 
-    def forward(self, query: torch.Tensor, variants: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        variants: torch.Tensor | ShiftedVariants,
+        norm: nn.Module | None = None,
+    ) -> torch.Tensor:
         T, B, N, C = variants.shape
+        drop = self.attn_drop if self.training else 0.0
+        if isinstance(variants, ShiftedVariants):
+            folded = variants.fold(norm or nn.Identity(), self.kv)
+            if folded is not None:
+                return self.proj_drop(self.proj(self._attend_folded(self.q(query), folded, drop)))
+            variants = variants.materialize()
         # Every grid position is its own attention problem: fold positions into the batch
         # (one query token per problem, so the grouped-query fold costs no copy: ~3x faster on
         # CPU than separate (1 x T) attentions per head with kv_heads=1).
         q = self.q(query).reshape(B * N, 1, C)
-        # Position-major copy of the (smaller) key/value tensor: SDPA then reads k and v as
-        # plain strided views, and the backward hands the projection a gradient that is one
+        kv = self.kv(variants if norm is None else norm(variants))
+        # Position-major copy of the key/value tensor: SDPA then reads k and v as plain
+        # strided views, and the backward hands the projection a gradient that is one
         # transpose away from contiguous (a permuted one made its matmul ~5x slower).
-        kv = contiguous_grad(self.kv(variants))
+        kv = contiguous_grad(kv)
         kv = kv.flatten(1, 2).transpose(0, 1).contiguous()  # (B*N, T, 2*kv_heads*head_dim)
         c = self.kv_heads * self.head_dim
-        drop = self.attn_drop if self.training else 0.0
         if self.captured is not None:  # (B, heads, N, T): each position's weights over shifts
             p = attention_probs(q, kv[..., :c], self.num_heads, self.kv_heads)
             self.captured.append((p.view(B, N, self.num_heads, T).transpose(1, 2), None))
         x = multihead_sdpa(q, kv[..., :c], kv[..., c:], self.num_heads, self.kv_heads, None, drop)
         return self.proj_drop(self.proj(x.reshape(B, N, C)))
 
+    def _attend_folded(self, q: torch.Tensor, f: FoldedProjection, drop: float) -> torch.Tensor:
+        """Softmax attention of ``q (B, N, C)`` over keys/values ``f`` -> ``(B, N, C)``.
+
+        With ``k_t = (rstd P) Wk + rstd_t dk_t(n) + ek`` (and v alike): ``ek`` is the same for
+        every variant, so it cancels in the softmax; ``rstd_t q.dk_t(n)`` is a logit bias;
+        ``sum_t p_t (rstd_t dv_t(n)) + ev sum_t p_t`` is added to ``p @ (rstd P) Wv``. Only
+        ``(rstd P) Wk`` and ``(rstd P) Wv`` have the size of the variants: two matmuls write
+        them and two batched matmuls read them in place (T-major). Measured on lsa_tiny_cifar
+        (bf16, batch 64, 2 cores): the local block's attention 276 -> ... ms against building
+        ``kv(LN(variants))`` and attending with SDPA.
+        """
+        T, B, N, _ = f.scale.shape
+        kvh, dh = self.kv_heads, self.head_dim
+        g = self.num_heads // kvh
+        ck = kvh * dh
+        k = torch.matmul(f.scaled, f.weight[..., :ck])  # (T, B*N, kvh*dh)
+        v = torch.matmul(f.scaled, f.weight[..., ck:])
+        offset = f.offset.expand(T, N, -1)
+        dk = offset[..., :ck].reshape(T, N, kvh, dh).to(q.dtype)
+        dv = offset[..., ck:].reshape(T, N, kvh, dh)
+        rstd = f.scale[..., 0].permute(1, 2, 0)[:, :, None, None]  # (B, N, 1, 1, T)
+        q5 = q.view(B, N, kvh, g, dh)
+        # (B*N*kvh, g, dh) @ (B*N*kvh, dh, T): the keys read T-major, where the matmul wrote them.
+        logits = torch.bmm(q.reshape(B * N * kvh, g, dh), k.view(T, -1, dh).permute(1, 2, 0))
+        logits = logits.view(B, N, kvh, g, T) + rstd * torch.einsum("bnjgd,tnjd->bnjgt", q5, dk)
+        p = (logits.to(torch.promote_types(logits.dtype, torch.float32)) * dh**-0.5).softmax(-1)
+        if self.captured is not None:  # (B, heads, N, T): each position's weights over shifts
+            self.captured.append((p.view(B, N, self.num_heads, T).transpose(1, 2), None))
+        if drop:
+            p = F.dropout(p, drop)
+        x = torch.bmm(p.view(-1, g, T).to(v.dtype), v.view(T, -1, dh).transpose(0, 1))
+        pr = (p * rstd).to(dv.dtype)
+        x = x.view(B, N, kvh, g, dh) + torch.einsum("bnjgt,tnjd->bnjgd", pr, dv).to(x.dtype)
+        x = x + p.sum(-1, keepdim=True).to(x.dtype) * f.bias[ck:].view(kvh, 1, dh).to(x.dtype)
+        return x.reshape(B, N, kvh * g * dh)
+
 
 class LocalShiftBlock(Block):
     """Pre-norm local block: x0 + Attn(LN(x0), LN(variants)), then + MLP(LN(.)).
 
-    x0 is the unshifted token (with its position embedding); the variants include it.
+    x0 is the unshifted token (with its position embedding); the variants include it. The
+    variants' LayerNorm is applied inside the attention, folded into its key/value projection.
     """
 
     def __init__(self, dim: int, num_heads: int, kv_heads: int | None = None, **kwargs: Any):
@@ -280,10 +425,10 @@ class LocalShiftBlock(Block):
         super().__init__(dim, num_heads, attn_layer=attn, **kwargs)
 
     def forward(  # type: ignore[override]
-        self, x: torch.Tensor, variants: torch.Tensor, hw: Grid
+        self, x: torch.Tensor, variants: torch.Tensor | ShiftedVariants, hw: Grid
     ) -> torch.Tensor:
         # LN is per token, so norm1(x) is exactly variant 0 of norm1(variants).
-        x = x + self.drop_path1(self.attn(self.norm1(x), self.norm1(variants)))
+        x = x + self.drop_path1(self.attn(self.norm1(x), variants, self.norm1))
         return x + self.drop_path2(self.mlp(self.norm2(x), hw))
 
 
@@ -550,7 +695,7 @@ class LocallyShiftedViT(StagedViT):
     def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
         """Image -> shift embedding (+ position) -> local block: stage 1's first tokens."""
         self.check_input(x)
-        x0, variants, grid = self.patch_embed(x, self.shifted)  # (B, N, C), (T, B, N, C)
+        x0, variants, grid = self.patch_embed(x, self.shifted)  # (B, N, C), ShiftedVariants
         if not self.dynamic_img_size and grid != self.grids[0]:
             raise ValueError(
                 f"input {x.shape[-2]}x{x.shape[-1]} gives a {grid[0]}x{grid[1]} token "
@@ -562,9 +707,7 @@ class LocallyShiftedViT(StagedViT):
             pos = resize_pos_embed(self.pos_embed, self.grids[0], grid)  # (T or 1, N, C)
             x0 = x0 + pos[0]
             if variants is not None:
-                # Added in the variants' dtype: a bf16 tensor T times the size of the stream
-                # must not be promoted to a float32 copy.
-                variants = variants + pos[:, None].to(variants.dtype)
+                variants = variants.add(pos)
         if self.shifted:
             return self.local_block(x0, variants, grid), grid
         return self.local_block(x0, grid), grid

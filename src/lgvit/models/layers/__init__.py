@@ -14,11 +14,13 @@ from lgvit.models.layers.drop import DropPath, drop_path, drop_path_schedule
 from lgvit.models.layers.features import FeatureInfo, feature_take_indices
 from lgvit.models.layers.helpers import (
     Grid,
+    as_written,
     contiguous_grad,
     conv_out_size,
     map_to_tokens,
     num_prefix_tokens,
     per_stage,
+    running_as_written,
     to_2tuple,
     tokens_to_map,
 )
@@ -46,6 +48,8 @@ __all__ = [
     "LN_EPS",
     "Attention",
     "Block",
+    "as_written",
+    "running_as_written",
     "DeformConv2d",
     "DeformableTokenMerging",
     "DropPath",

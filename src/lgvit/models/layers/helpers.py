@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 Grid = tuple[int, int]
+
+_as_written = False
+
+
+@contextmanager
+def as_written() -> Iterator[None]:
+    """Run models as their architecture is written, without the algebraic shortcuts some
+    layers take (LSA's folded key/value projection of the shifted variants). Counting MACs
+    runs in it, so MAC counts and MFU are the architecture's, not our implementation's."""
+    global _as_written
+    before, _as_written = _as_written, True
+    try:
+        yield
+    finally:
+        _as_written = before
+
+
+def running_as_written() -> bool:
+    """Whether :func:`as_written` is in force."""
+    return _as_written
 
 
 def to_2tuple(v: int | Sequence[int]) -> tuple[int, int]:
