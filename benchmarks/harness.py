@@ -21,12 +21,24 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lgvit.measure import describe_machine, make_step, peak_rss_mb  # noqa: F401 (re-exported)
-
 Key = tuple  # (impl, model, mode, precision, batch)
+
+_FROM_MEASURE = ("describe_machine", "make_step", "peak_rss_mb")
+
+
+def __getattr__(name: str) -> Any:
+    """lgvit's measuring helpers, re-exported lazily: importing this module must not import
+    lgvit, so that a spawned worker puts another checkout's ``src`` first and imports that."""
+    if name in _FROM_MEASURE:
+        from lgvit import measure
+
+        return getattr(measure, name)
+    raise AttributeError(f"module 'harness' has no attribute {name!r}")
 
 
 def peak_rss_gb() -> float:
+    from lgvit.measure import peak_rss_mb
+
     return peak_rss_mb() / 1024
 
 
@@ -55,6 +67,11 @@ def stub_torchvision() -> None:
 def _worker(
     conn, builder: str, args: tuple, threads: int, paths: Sequence[str], tuned_malloc: bool
 ) -> None:
+    # First, before anything imports lgvit: multiprocessing's spawn gives the child the
+    # parent's sys.path (PYTHONPATH alone lost to it: a "baseline" ran the current code).
+    sys.path[:0] = list(paths)
+    from lgvit.measure import make_step
+
     torch.set_num_threads(threads)
     # The same allocator settings in every process (lgvit's CLI default): without them, a
     # process's speed depended on what it had allocated before (page faults on fresh memory),
@@ -64,7 +81,6 @@ def _worker(
         from lgvit.runtime import tune_cpu_allocator
 
         tune_cpu_allocator()
-    sys.path[:0] = list(paths)
     module, fn = builder.split(":")
     build = getattr(importlib.import_module(module), fn)
     models: dict[str, nn.Module] = {}
@@ -116,7 +132,14 @@ class ProcessRunner:
         here = os.path.dirname(os.path.abspath(__file__))
         self.proc = ctx.Process(
             target=_worker,
-            args=(child, builder, args, threads, [here, *paths], tuned_malloc),
+            args=(
+                child,
+                builder,
+                args,
+                threads,
+                [*([pythonpath] if pythonpath else []), here, *paths],
+                tuned_malloc,
+            ),
             daemon=True,
         )
         saved = os.environ.get("PYTHONPATH")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 from PIL import Image
 from test_train import ENV, FAST, _folder, lgvit, metrics, one_line_error
@@ -216,3 +217,65 @@ def test_predict_and_eval_edge_cases(tmp_path):
 @pytest.mark.parametrize("key", ["eval_every", "save_every_steps"])
 def test_new_keys_validate(key, tmp_path):
     one_line_error(lgvit("train", *SYN, "--out", str(tmp_path), "--set", f"{key}=-1"), key)
+
+
+# ----------------------------------------------------------------- no host sync per step
+
+
+class _Batches:
+    """Four batches for a linear model; batch ``bad`` holds a NaN."""
+
+    def __init__(self, bad: set[int]) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.batches = [(torch.randn(8, 6, generator=g), torch.arange(8) % 3) for _ in range(4)]
+        for i in bad:
+            self.batches[i][0][0, 0] = float("nan")
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def _epoch(monkeypatch, bad: set[int], on_device: bool, max_nonfinite: int = 5):
+    from lgvit import train as tr
+
+    monkeypatch.setattr(tr, "skips_on_device", lambda *a: on_device)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    # A constant rate: a step skipped on the device still advances the schedule.
+    cfg = tr.TrainConfig(epochs=1, log_every=2, max_nonfinite=max_nonfinite, clip_grad=None,
+                         sched="none")  # fmt: skip
+    schedule = dict(total_steps=4, warmup_steps=0, cfg=cfg, base_lr=0.1)
+    seen = []
+    hook = lambda *a: seen.append(model.weight.detach().clone())  # noqa: E731
+    opt.register_step_post_hook(hook)
+    out = tr.train_one_epoch(model, _Batches(bad), opt, None, None, cfg, tr.Dist(), None, 0,
+                             schedule, 0, lambda *a, **k: None)  # fmt: skip
+    return out, seen, opt
+
+
+def test_a_nonfinite_loss_skips_the_fused_step_on_the_device(monkeypatch):
+    """The GPU path (forced here on the CPU): no host check per step; the fused AdamW step
+    reads `found_inf` and leaves the weights and its state as they were."""
+    import warnings
+
+    with warnings.catch_warnings(record=True):
+        (loss_host, _, _), w_host, opt_host = _epoch(monkeypatch, {1}, on_device=False)
+    (loss_dev, _, _), w_dev, opt_dev = _epoch(monkeypatch, {1}, on_device=True)
+    assert len(w_host) == 3 and len(w_dev) == 4  # the host skips the call; the kernel skips
+    torch.testing.assert_close(w_dev[1], w_dev[0], rtol=0, atol=0)  # the NaN step: no change
+    # ... and the run goes on as the host-checked one does, to the same weights and loss.
+    torch.testing.assert_close(w_dev[-1], w_host[-1])
+    assert loss_dev == pytest.approx(loss_host)
+    steps = [s["step"] for s in opt_dev.state.values()]
+    assert all(float(s) == 3 for s in steps)  # the skipped step is not counted by AdamW
+
+
+def test_too_many_nonfinite_losses_stop_on_the_device_path_too(monkeypatch):
+    from lgvit.train import NonFiniteLoss
+
+    with pytest.raises(NonFiniteLoss, match="2 non-finite losses by epoch 0 step 1"):
+        _epoch(monkeypatch, {0, 1}, on_device=True, max_nonfinite=1)

@@ -469,12 +469,20 @@ class RunControl:
         )
         stop, periodic = bool(self.signum), bool(periodic)
         if self.d.world_size > 1:  # every rank must stop (and save) at the same step
+            if batch % AGREE_EVERY and not last_batch:
+                # Agreeing reads an all-reduce on the host (a GPU sync): only every few steps.
+                # A step-count save is the same on every rank without it.
+                steps_due = bool(cfg.save_every_steps and batch % cfg.save_every_steps == 0)
+                return steps_due, False
             flags = torch.tensor([float(stop), float(periodic)], device=self.d.device)
             flags = all_reduce_sum(flags, self.d).cpu()
             stop, periodic = bool(flags[0]), bool(flags[1])
             if stop and not self.signum:
                 self.signum = signal.SIGTERM
         return stop or periodic, stop
+
+
+AGREE_EVERY = 8  # multi-process runs agree on a signal or a timed save every this many steps
 
 
 @dataclass
@@ -509,12 +517,22 @@ def train_one_epoch(
 
     Progress: a bar on a terminal (rank 0), else a plain line every ``cfg.log_every`` steps
     (lines go to ``train.log`` either way). After each step ``ctl`` may ask for a mid-epoch
-    checkpoint (``save_mid_epoch(progress, step)``) and, on SIGTERM/SIGINT, to stop."""
+    checkpoint (``save_mid_epoch(progress, step)``) and, on SIGTERM/SIGINT, to stop.
+
+    On a GPU no step waits for the host: the loss is summed on the device and read only for a
+    progress refresh or a log line; a non-finite loss skips the fused AdamW step on the device
+    (the count is checked at log lines and at the epoch's end; such a step still advances the
+    schedule and moves the EMA toward the unchanged weights); multi-process runs agree on
+    signals every ``AGREE_EVERY`` steps. So the host prepares batch n+1 while step n runs."""
     model.train()
     start = start or EpochProgress()
-    loss_sum = torch.tensor(start.loss_sum, dtype=torch.float64)
+    # Summed on the device: reading a GPU loss every step would make the host wait for it.
+    sum_dtype = torch.float32 if d.device.type == "mps" else torch.float64
+    loss_sum = torch.tensor(start.loss_sum, dtype=sum_dtype, device=d.device)
     images = start.images
     nonfinite = 0
+    skip_on_device = skips_on_device(optimizer, scaler, d.device)
+    nonfinite_dev = torch.zeros((), dtype=torch.int64, device=d.device)
     bar = d.main and on_terminal()
     progress = StepProgress(len(loader) - start.batch, f"epoch {epoch + 1}/{cfg.epochs}", bar)
     for i, (x, y) in enumerate(loader, start=start.batch):
@@ -530,18 +548,17 @@ def train_one_epoch(
         else:
             loss = F.cross_entropy(logits, y)
         optimizer.zero_grad(set_to_none=True)
-        if not torch.isfinite(loss):
+        if skip_on_device:
+            # The fused step reads `found_inf` in its kernel and leaves the weights and its
+            # state alone when it is set, as under a GradScaler; the host checks the count
+            # only at log lines and the epoch's end.
+            bad = ~torch.isfinite(loss)
+            optimizer.found_inf = bad.float()
+            nonfinite_dev += bad
+        elif not torch.isfinite(loss):
             nonfinite += 1
             if nonfinite > cfg.max_nonfinite:
-                kept = (
-                    f"the last good checkpoint is kept in {cfg.out}"
-                    if checkpoint_paths(Path(cfg.out) / "last")[0].exists()
-                    else "no checkpoint had been saved yet"
-                )
-                raise NonFiniteLoss(
-                    f"loss is {loss.item()} at epoch {epoch} step {i}; stopping. {kept} "
-                    "(lower --set lr=... or try --amp none)"
-                )
+                _stop_nonfinite(cfg, f"loss is {loss.item()} at epoch {epoch} step {i}")
             warnings.warn(f"loss is {loss.item()} at epoch {epoch} step {i}: skipped", stacklevel=2)
             continue
         if scaler is not None:
@@ -556,9 +573,13 @@ def train_one_epoch(
             scaler.update()
         else:
             optimizer.step()
+        if skip_on_device:
+            del optimizer.found_inf
+            loss_sum += torch.where(bad, 0.0, loss.detach()).to(sum_dtype)
+        else:
+            loss_sum += loss.detach().to(sum_dtype)
         if ema is not None:
             ema.update(unwrap(model))
-        loss_sum += loss.detach().double().cpu()
         images += len(x)
         step += 1
         if progress.wants_postfix():  # figures (and the loss's device sync) twice a second
@@ -568,6 +589,9 @@ def train_one_epoch(
         else:
             progress.update(len(x) * d.world_size)
         if cfg.log_every and (i + 1) % cfg.log_every == 0:
+            if skip_on_device and int(nonfinite_dev) > cfg.max_nonfinite:
+                _stop_nonfinite(cfg, f"{int(nonfinite_dev)} non-finite losses by epoch {epoch} "
+                                f"step {i}")  # fmt: skip
             run_eta = clock.eta(step) if clock else None
             eta = f", run ETA {format_duration(run_eta)}" if run_eta is not None else ""
             line = (
@@ -589,10 +613,35 @@ def train_one_epoch(
                     ctl.signum or signal.SIGTERM,
                 )
     progress.close()
-    stats = torch.stack([loss_sum, torch.tensor(float(len(loader)))]).to(d.device)
+    if skip_on_device and int(nonfinite_dev) > cfg.max_nonfinite:
+        _stop_nonfinite(cfg, f"{int(nonfinite_dev)} non-finite losses in epoch {epoch}")
+    steps = torch.tensor(float(len(loader)), dtype=sum_dtype, device=d.device)
+    stats = torch.stack([loss_sum, steps])
     stats = all_reduce_sum(stats, d)
     mean_loss = (stats[0] / stats[1].clamp(min=1)).item()
     return mean_loss, images * d.world_size, step
+
+
+def skips_on_device(
+    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, device: torch.device
+) -> bool:
+    """Whether a non-finite loss skips the step on the device, with no host sync per step: on
+    a GPU, for fused optimizers (AdamW here), which take ``found_inf`` as a GradScaler passes
+    it. Elsewhere the host checks each loss (on a CPU that costs nothing)."""
+    return (
+        device.type == "cuda"
+        and scaler is None
+        and getattr(optimizer, "_step_supports_amp_scaling", False)
+    )
+
+
+def _stop_nonfinite(cfg: TrainConfig, what: str) -> None:
+    kept = (
+        f"the last good checkpoint is kept in {cfg.out}"
+        if checkpoint_paths(Path(cfg.out) / "last")[0].exists()
+        else "no checkpoint had been saved yet"
+    )
+    raise NonFiniteLoss(f"{what}; stopping. {kept} (lower --set lr=... or try --amp none)")
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -4,6 +4,8 @@ Images are ``(B, 3, H, W)`` tensors: ``uint8`` for the geometric/colour stage, `
 (normalised) for random erasing and mixup/cutmix. Every random function takes an explicit
 ``torch.Generator``; random *parameters* are drawn on the generator's device and then moved
 to the images' device, so the same code runs on CPU or GPU tensors and a run is reproducible.
+Those moves are non-blocking: a blocking host-to-GPU copy waits for all the work already
+queued (the training step), so a recipe on the GPU would stall the host at every op.
 
 The semantics follow timm / torchvision (``RandomCrop``, ``RandomResizedCrop``,
 ``rand-m9-mstd0.5-inc1`` RandAugment, ``RandomErasing``, ``Mixup``); deviations are noted
@@ -134,7 +136,7 @@ def _device_gen(gen: torch.Generator, device: torch.device) -> torch.Generator:
 
 def _per_sample(v: Scalar, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Broadcast a scalar or (n,) tensor parameter to a (n, 1, 1, 1) tensor."""
-    t = torch.as_tensor(v, dtype=dtype).to(device)
+    t = torch.as_tensor(v, dtype=dtype).to(device, non_blocking=True)
     if t.dim() == 0:
         t = t.expand(n)
     if t.shape != (n,):
@@ -188,8 +190,8 @@ def random_crop_flip(
         flipped = torch.rand(b, generator=gen, device=gen.device) < 0.5
         # Folding the flip into the column index costs nothing extra.
         cols = torch.where(flipped[:, None], size - 1 - ar, ar)
-    rows = (top[:, None] + ar).to(x.device)
-    cols = (left[:, None] + cols).to(x.device)
+    rows = (top[:, None] + ar).to(x.device, non_blocking=True)
+    cols = (left[:, None] + cols).to(x.device, non_blocking=True)
     xp = F.pad(x, (padding,) * 4) if padding > 0 else x
     # Two gathers (rows, then columns) beat one 4-D advanced index by ~2x on CPU.
     xr = xp.gather(2, rows.view(b, 1, size, 1).expand(b, c, size, wp))
@@ -261,7 +263,7 @@ def random_resized_crop(
     top = torch.where(found, top, torch.full_like(top, (h - fh) // 2))
     left = torch.where(found, left, torch.full_like(left, (w - fw) // 2))
     flipped = (torch.rand(b, generator=gen, device=gen.device) < 0.5) if flip else None
-    theta = _crop_theta(top, left, ch, cw, (h, w), flipped).to(x.device)
+    theta = _crop_theta(top, left, ch, cw, (h, w), flipped).to(x.device, non_blocking=True)
     grid = F.affine_grid(theta, [b, 3, size, size], align_corners=False)
     out = F.grid_sample(x.float(), grid, mode="bicubic", padding_mode="border", align_corners=False)
     return _to_uint8(out)
@@ -479,7 +481,7 @@ def affine(
         [[w / 2.0, 0, w / 2.0], [0, h / 2.0, h / 2.0], [0, 0, 1]], dtype=torch.float64
     )
     m3 = torch.cat([m, torch.tensor([[[0.0, 0.0, 1.0]]], dtype=torch.float64).expand(b, 1, 3)], 1)
-    theta = (to_norm @ m3 @ from_norm)[:, :2].to(torch.float32).to(x.device)
+    theta = (to_norm @ m3 @ from_norm)[:, :2].to(torch.float32).to(x.device, non_blocking=True)
     # The grid theta @ (xn, yn, 1) built from two broadcast adds (affine_grid's bmm is
     # several times slower for these small images).
     xn = (torch.arange(w, device=x.device, dtype=torch.float32) * 2 + 1) / w - 1
@@ -665,9 +667,9 @@ def rand_augment(
         if not order:
             continue
         perm = torch.tensor(order)
-        frac = (mag.cpu()[perm].clamp(0.0, upper) / _LEVEL_DENOM).to(x.device)
-        lvl = frac * sign.cpu()[perm].to(x.device)
-        perm = perm.to(x.device)
+        frac = (mag.cpu()[perm].clamp(0.0, upper) / _LEVEL_DENOM).to(x.device, non_blocking=True)
+        lvl = frac * sign.cpu()[perm].to(x.device, non_blocking=True)
+        perm = perm.to(x.device, non_blocking=True)
         sel = out[perm]
         results, pos = [], 0
         for cat, seg in segs.items():
@@ -717,8 +719,8 @@ def normalize(
     m = torch.tensor(mean, dtype=torch.float64)
     s = torch.tensor(std, dtype=torch.float64)
     # One multiply-add instead of three elementwise passes.
-    scale = (1.0 / (255.0 * s)).to(torch.float32).to(x.device).view(1, c, 1, 1)
-    shift = (m / s).to(torch.float32).to(x.device).view(1, c, 1, 1)
+    scale = (1.0 / (255.0 * s)).to(torch.float32).to(x.device, non_blocking=True).view(1, c, 1, 1)
+    shift = (m / s).to(torch.float32).to(x.device, non_blocking=True).view(1, c, 1, 1)
     return torch.addcmul(-shift, x.to(torch.float32), scale)
 
 
@@ -772,7 +774,9 @@ def random_erasing(
         rows = active.nonzero().view(-1)
         if rows.numel() == 0:
             continue
-        t, le, eh, ew = (v[rows].to(x.device).view(-1, 1, 1, 1) for v in (top, left, eh, ew))
+        t, le, eh, ew = (
+            v[rows].to(x.device, non_blocking=True).view(-1, 1, 1, 1) for v in (top, left, eh, ew)
+        )
         mask = (ys >= t) & (ys < t + eh) & (xs >= le) & (xs < le + ew)
         n = rows.numel()
         if mode == "pixel":
@@ -781,7 +785,7 @@ def random_erasing(
             fill = torch.randn((n, c, 1, 1), generator=noise_gen, device=x.device, dtype=x.dtype)
         else:
             fill = torch.zeros((), device=x.device, dtype=x.dtype)
-        r = rows.to(x.device)
+        r = rows.to(x.device, non_blocking=True)
         out[r] = torch.where(mask, fill, out[r])
     return out
 
@@ -875,19 +879,19 @@ def mixup_cutmix(
                 out = x * float(lam[0]) + x.flip(0) * (1.0 - float(lam[0]))
         lam_t = torch.full((b, 1), float(lam[0]), dtype=torch.float32, device=x.device)
     else:
-        lam_t = torch.from_numpy(lam).to(torch.float32).to(x.device).view(b, 1)
-        cut = torch.from_numpy(use_cutmix).to(x.device).view(b, 1, 1, 1)
+        lam_t = torch.from_numpy(lam).to(torch.float32).to(x.device, non_blocking=True).view(b, 1)
+        cut = torch.from_numpy(use_cutmix).to(x.device, non_blocking=True).view(b, 1, 1, 1)
         ys = torch.arange(h, device=x.device).view(1, 1, h, 1)
         xs = torch.arange(w, device=x.device).view(1, 1, 1, w)
 
         def col(v: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(v).to(x.device).view(b, 1, 1, 1)
+            return torch.from_numpy(v).to(x.device, non_blocking=True).view(b, 1, 1, 1)
 
         in_box = (ys >= col(yl)) & (ys < col(yh)) & (xs >= col(xl)) & (xs < col(xh))
         flipped = x.flip(0)
         lam4 = lam_t.view(b, 1, 1, 1).to(x.dtype)
         mixed = x * lam4 + flipped * (1.0 - lam4)
         out = torch.where(cut, torch.where(in_box, flipped, x), mixed)
-    y1 = one_hot_smooth(y, num_classes, label_smoothing).to(x.device)
-    y2 = one_hot_smooth(y.flip(0), num_classes, label_smoothing).to(x.device)
+    y1 = one_hot_smooth(y, num_classes, label_smoothing).to(x.device, non_blocking=True)
+    y2 = one_hot_smooth(y.flip(0), num_classes, label_smoothing).to(x.device, non_blocking=True)
     return out, y1 * lam_t + y2 * (1.0 - lam_t)
