@@ -70,6 +70,11 @@ def _worker(
     # First, before anything imports lgvit: multiprocessing's spawn gives the child the
     # parent's sys.path (PYTHONPATH alone lost to it: a "baseline" ran the current code).
     sys.path[:0] = list(paths)
+    if any(os.path.isdir(os.path.join(p, "lgvit")) for p in paths):
+        # spawn re-imports the parent's main script (a benchmark that imports lgvit) before
+        # this runs: drop that lgvit so the next import finds the other checkout's.
+        for mod in [m for m in sys.modules if m == "lgvit" or m.startswith("lgvit.")]:
+            del sys.modules[mod]
     from lgvit.measure import make_step
 
     torch.set_num_threads(threads)
