@@ -19,6 +19,7 @@ from PIL import Image
 from test_train import ENV, FAST, _folder, lgvit, metrics, one_line_error
 
 from lgvit.checkpoint import load_checkpoint_pair
+from lgvit.errors import LgvitError
 
 SYN = [*FAST, "--data", "synthetic"]  # 512 images, batch 32: 16 steps per epoch
 
@@ -277,5 +278,25 @@ def test_a_nonfinite_loss_skips_the_fused_step_on_the_device(monkeypatch):
 def test_too_many_nonfinite_losses_stop_on_the_device_path_too(monkeypatch):
     from lgvit.train import NonFiniteLoss
 
-    with pytest.raises(NonFiniteLoss, match="2 non-finite losses by epoch 0 step 1"):
+    with pytest.raises(NonFiniteLoss, match="2 non-finite losses by epoch 1 step 2"):
         _epoch(monkeypatch, {0, 1}, on_device=True, max_nonfinite=1)
+
+
+def test_flip_test_time_augmentation_averages_the_mirrored_logits():
+    from lgvit.train import Dist, evaluate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 5, 3))
+    x = torch.randn(10, 3, 4, 5)
+    y = torch.arange(10) % 3
+    batches = [(x[:6], y[:6]), (x[6:], y[6:])]
+    with torch.no_grad():
+        want = 0.5 * (model(x) + model(x.flip(-1)))  # mirrored left-right
+    got = evaluate(model, batches, 3, Dist(), None, tta="flip")
+    plain = evaluate(model, batches, 3, Dist(), None)
+    acc = 100.0 * (want.argmax(1) == y).double().mean().item()
+    assert got["acc1"] == pytest.approx(acc)
+    assert got["loss"] == pytest.approx(torch.nn.functional.cross_entropy(want, y).item())
+    assert got["loss"] != pytest.approx(plain["loss"])
+    with pytest.raises(LgvitError, match="tta='crop'"):
+        evaluate(model, batches, 3, Dist(), None, tta="crop")

@@ -200,7 +200,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     aug = AugmentConfig(img_size=size, mean=tuple(splits.mean), std=tuple(splits.std))
     loader = make_loader(splits.test, args.batch_size, num_classes=n_data, train=False, aug=aug)
     d = Dist(device=device)
-    res = evaluate(model, loader, n_data, d, resolve_amp(args.amp, device))
+    res = evaluate(model, loader, n_data, d, resolve_amp(args.amp, device), tta=args.tta)
     res["classes"] = list(splits.test.classes)
     res["checkpoint"] = str(args.checkpoint)
     if args.json:
@@ -429,6 +429,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=["auto", "bf16", "none"], default="auto")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: CUDA if any)")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--tta",
+        choices=["none", "flip"],
+        default="none",
+        help="flip: average the logits of each image and its mirror image",
+    )
     p.add_argument(
         "--any-classes",
         action="store_true",

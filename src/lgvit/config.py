@@ -45,6 +45,7 @@ TRAIN_CROPS = ("random_crop", "random_resized_crop", "none")
 RE_MODES = ("pixel", "rand", "const")  # random erasing fill, as in timm
 OPTIMIZERS = ("adamw", "sgd", "lamb")
 SCHEDULES = ("cosine", "step", "none")
+TTA_MODES = ("none", "flip")
 
 
 @dataclass
@@ -110,6 +111,7 @@ class TrainConfig:
     resume: str | None = None  # None | 'auto' (the last checkpoint in out) | a checkpoint
     initial_checkpoint: str | None = None  # start from these weights (fine-tuning), fresh run
     eval_every: int = 1  # evaluate every N epochs (and after the last)
+    eval_tta: str = "none"  # none | flip: also run each test image mirrored, average the logits
     save_every: int = 1  # write the `last` checkpoint every N epochs (and after the last)
     save_every_steps: int = 0  # also a mid-epoch checkpoint every N steps (0: off)
     save_every_min: float | None = None  # ... or every N minutes of training
@@ -408,6 +410,7 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
     choice("data", DATASETS)
     choice("opt", OPTIMIZERS)
     choice("sched", SCHEDULES)
+    choice("eval_tta", TTA_MODES)
     choice("amp", AMP_MODES)
     choice("device", ("auto", "cpu", "cuda"))
     choice("train_crop", TRAIN_CROPS)

@@ -368,9 +368,13 @@ def evaluate(
     d: Dist,
     amp: torch.dtype | None,
     desc: str = "eval",
+    tta: str = "none",
 ) -> dict[str, Any]:
     """Top-1, top-5, loss and per-class accuracy over the whole test split (all ranks); a
-    progress bar on a terminal (rank 0)."""
+    progress bar on a terminal (rank 0). ``tta='flip'``: the logits are the mean of the image's
+    and its mirror image's (the short-budget CIFAR recipes' test-time augmentation)."""
+    if tta not in ("none", "flip"):
+        raise LgvitError(f"tta={tta!r}: must be 'none' or 'flip'")
     model.eval()
     progress = StepProgress(len(loader), desc, d.main and on_terminal())
     correct1 = torch.zeros((), dtype=torch.float64)
@@ -382,8 +386,9 @@ def evaluate(
     for x, y in loader:
         x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
         with autocast(d.device, amp):
-            logits = model(x)
-        logits = logits.float()
+            logits = model(x).float()
+            if tta == "flip":
+                logits = 0.5 * (logits + model(x.flip(-1)).float())
         loss_sum += F.cross_entropy(logits, y, reduction="sum").double().cpu()
         top = logits.topk(k, dim=1).indices
         hit1 = (top[:, 0] == y).double().cpu()
@@ -557,9 +562,10 @@ def train_one_epoch(
             nonfinite_dev += bad
         elif not torch.isfinite(loss):
             nonfinite += 1
+            where = f"loss is {loss.item()} at epoch {epoch + 1} step {i + 1}"
             if nonfinite > cfg.max_nonfinite:
-                _stop_nonfinite(cfg, f"loss is {loss.item()} at epoch {epoch} step {i}")
-            warnings.warn(f"loss is {loss.item()} at epoch {epoch} step {i}: skipped", stacklevel=2)
+                _stop_nonfinite(cfg, where)
+            warnings.warn(f"{where}: skipped", stacklevel=2)
             continue
         if scaler is not None:
             scaler.scale(loss).backward()
@@ -590,12 +596,12 @@ def train_one_epoch(
             progress.update(len(x) * d.world_size)
         if cfg.log_every and (i + 1) % cfg.log_every == 0:
             if skip_on_device and int(nonfinite_dev) > cfg.max_nonfinite:
-                _stop_nonfinite(cfg, f"{int(nonfinite_dev)} non-finite losses by epoch {epoch} "
-                                f"step {i}")  # fmt: skip
+                where = f"by epoch {epoch + 1} step {i + 1}"
+                _stop_nonfinite(cfg, f"{int(nonfinite_dev)} non-finite losses {where}")
             run_eta = clock.eta(step) if clock else None
             eta = f", run ETA {format_duration(run_eta)}" if run_eta is not None else ""
             line = (
-                f"epoch {epoch} step {i + 1}/{len(loader)} loss {loss.item():.4f} lr {lr:.3g}, "
+                f"epoch {epoch + 1} step {i + 1}/{len(loader)} loss {loss.item():.4f} lr {lr:.3g}, "
                 f"{progress.img_per_s:.0f} img/s, epoch ETA {format_duration(progress.eta())}{eta}"
             )
             log(line, console=not bar)
@@ -614,7 +620,7 @@ def train_one_epoch(
                 )
     progress.close()
     if skip_on_device and int(nonfinite_dev) > cfg.max_nonfinite:
-        _stop_nonfinite(cfg, f"{int(nonfinite_dev)} non-finite losses in epoch {epoch}")
+        _stop_nonfinite(cfg, f"{int(nonfinite_dev)} non-finite losses in epoch {epoch + 1}")
     steps = torch.tensor(float(len(loader)), dtype=sum_dtype, device=d.device)
     stats = torch.stack([loss_sum, steps])
     stats = all_reduce_sum(stats, d)
@@ -924,10 +930,12 @@ def _train(
         evaluated = last or (epoch + 1) % cfg.eval_every == 0
         is_best = False
         if evaluated:
-            ev = evaluate(net, test_loader, num_classes, d, amp)
+            ev = evaluate(net, test_loader, num_classes, d, amp, tta=cfg.eval_tta)
             if ema is not None:
                 ev_model = _ema_model(model, ema)
-                ema_ev = evaluate(ev_model, test_loader, num_classes, d, amp, "eval EMA")
+                ema_ev = evaluate(
+                    ev_model, test_loader, num_classes, d, amp, "eval EMA", cfg.eval_tta
+                )
                 metrics["test_ema_acc1"] = round(ema_ev["acc1"], 4)
             metrics.update(
                 test_acc1=round(ev["acc1"], 4), test_acc5=round(ev["acc5"], 4),

@@ -382,31 +382,35 @@ class LocalShiftAttention(Attention):
         With ``k_t = (rstd P) Wk + rstd_t dk_t(n) + ek`` (and v alike): ``ek`` is the same for
         every variant, so it cancels in the softmax; ``rstd_t q.dk_t(n)`` is a logit bias;
         ``sum_t p_t (rstd_t dv_t(n)) + ev sum_t p_t`` is added to ``p @ (rstd P) Wv``. Only
-        ``(rstd P) Wk`` and ``(rstd P) Wv`` have the size of the variants: two matmuls write
-        them and two batched matmuls read them in place (T-major). Measured on lsa_tiny_cifar
-        (bf16, batch 64, 2 cores): the local block's attention 276 -> ... ms against building
-        ``kv(LN(variants))`` and attending with SDPA.
+        ``(rstd P) Wk`` and ``(rstd P) Wv`` have the size of the variants (T x the tokens,
+        ``kv_heads*head_dim`` wide). Measured on lsa_tiny_cifar (bf16, batch 64, 2 cores)
+        against building ``kv(LN(variants))`` and attending with SDPA: the whole model 1.18x
+        (inference) and 1.19x (training step), peak memory 0.58x.
         """
         T, B, N, _ = f.scale.shape
         kvh, dh = self.kv_heads, self.head_dim
         g = self.num_heads // kvh
         ck = kvh * dh
-        k = torch.matmul(f.scaled, f.weight[..., :ck])  # (T, B*N, kvh*dh)
-        v = torch.matmul(f.scaled, f.weight[..., ck:])
+        # (T, B*N, kvh*dh), then position-major copies: bf16 batched matmuls copy strided
+        # operands anyway (in the forward and again in the backward); one explicit copy each,
+        # whose gradient comes back contiguous, made a bf16 training step ~5% faster.
+        k = contiguous_grad(torch.matmul(f.scaled, f.weight[..., :ck]))
+        v = contiguous_grad(torch.matmul(f.scaled, f.weight[..., ck:]))
+        kp = k.view(T, -1, dh).transpose(0, 1).contiguous()  # (B*N*kvh, T, dh)
+        vp = v.view(T, -1, dh).transpose(0, 1).contiguous()
         offset = f.offset.expand(T, N, -1)
         dk = offset[..., :ck].reshape(T, N, kvh, dh).to(q.dtype)
         dv = offset[..., ck:].reshape(T, N, kvh, dh)
         rstd = f.scale[..., 0].permute(1, 2, 0)[:, :, None, None]  # (B, N, 1, 1, T)
         q5 = q.view(B, N, kvh, g, dh)
-        # (B*N*kvh, g, dh) @ (B*N*kvh, dh, T): the keys read T-major, where the matmul wrote them.
-        logits = torch.bmm(q.reshape(B * N * kvh, g, dh), k.view(T, -1, dh).permute(1, 2, 0))
+        logits = torch.bmm(q.reshape(B * N * kvh, g, dh), kp.transpose(1, 2))
         logits = logits.view(B, N, kvh, g, T) + rstd * torch.einsum("bnjgd,tnjd->bnjgt", q5, dk)
         p = (logits.to(torch.promote_types(logits.dtype, torch.float32)) * dh**-0.5).softmax(-1)
         if self.captured is not None:  # (B, heads, N, T): each position's weights over shifts
             self.captured.append((p.view(B, N, self.num_heads, T).transpose(1, 2), None))
         if drop:
             p = F.dropout(p, drop)
-        x = torch.bmm(p.view(-1, g, T).to(v.dtype), v.view(T, -1, dh).transpose(0, 1))
+        x = torch.bmm(p.view(-1, g, T).to(vp.dtype), vp)
         pr = (p * rstd).to(dv.dtype)
         x = x.view(B, N, kvh, g, dh) + torch.einsum("bnjgt,tnjd->bnjgd", pr, dv).to(x.dtype)
         x = x + p.sum(-1, keepdim=True).to(x.dtype) * f.bias[ck:].view(kvh, 1, dh).to(x.dtype)
