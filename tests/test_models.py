@@ -158,6 +158,20 @@ def test_folded_local_block_matches_the_architecture_as_written(name, kwargs):
         torch.testing.assert_close(g[n], ref, rtol=1e-9, atol=1e-12, msg=n)
 
 
+def test_a_patch_wider_than_the_embedding_builds_the_variants():
+    # lsa_tiny_224: 9x9 RGB patches (243 values) for 192 channels -- folding would cost more.
+    torch.manual_seed(0)
+    m = create_model("lsa_tiny_224", img_size=30).eval()
+    x = torch.randn(2, 3, 30, 30)
+    with torch.no_grad():
+        variants = m.patch_embed(x)[1]
+        assert variants.patches.shape[-1] == 243
+        assert variants.fold(m.local_block.norm1, m.local_block.attn.kv) is None
+        y = m(x)
+        with as_written():
+            torch.testing.assert_close(m(x), y)
+
+
 def test_folded_local_block_under_bf16_autocast_stays_close():
     torch.manual_seed(0)
     m = create_model("lsa_tiny_cifar", img_size=16).eval()
