@@ -31,6 +31,7 @@ global block standing where the local block was; 6.8M params, as the paper's Tab
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -195,8 +196,10 @@ class ShiftedVariants:
         return x + self.offset[:, None].to(x.dtype)
 
     def fold(self, norm: nn.Module, linear: nn.Linear) -> FoldedProjection | None:
-        """``linear(norm(variants))`` as a :class:`FoldedProjection`, or ``None`` when
-        ``norm`` is not a LayerNorm over the channels.
+        """``linear(norm(variants))`` as a :class:`FoldedProjection`, or ``None`` (build the
+        variants instead) when ``norm`` is not a LayerNorm over the channels, the patch is at
+        least as wide as the embedding, or the model runs
+        :func:`~lgvit.models.layers.as_written`.
 
         With w the conv weight and c the offset, both centred over the channels (LayerNorm
         subtracts each token's mean, so ``v - mean(v) = P w + c``):
@@ -326,7 +329,7 @@ class ShiftEmbedding(nn.Module):
         variants = ShiftedVariants(patches, weight, self.bias[:, None], B)
         if running_as_written():  # the architecture: T embeddings, variant 0 among them
             dense = variants.materialize()
-            return dense[0], ShiftedVariants(patches, weight, self.bias[:, None], B, dense), grid
+            return dense[0], dataclasses.replace(variants, dense=dense), grid
         # The unshifted tokens are embedded on their own (1/T of the variants' work).
         return self._embed(patches[:1], slice(0, 1))[0].view(B, -1, self.dim), variants, grid
 
@@ -346,9 +349,9 @@ class LocalShiftAttention(Attention):
     Same projections as the global :class:`Attention`.
 
     :class:`ShiftedVariants` under a LayerNorm take the folded path: keys and values come
-    straight from the patches (:meth:`ShiftedVariants.fold`) and are read where they lie,
-    T-major; the per-position offset terms enter as a logit bias and a value correction
-    computed on the small ``(B, N, heads, T)`` probabilities.
+    straight from the patches (:meth:`ShiftedVariants.fold`); the per-position offset terms
+    enter as a logit bias and a value correction computed on the small ``(B, N, heads, T)``
+    probabilities.
     """
 
     def forward(  # type: ignore[override]
