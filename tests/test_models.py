@@ -104,6 +104,22 @@ def test_shift_embedding_stride_matches_reference():
         torch.testing.assert_close(out[t], ref.flatten(2).transpose(1, 2))
 
 
+def test_shift_index_cached_under_inference_mode_is_not_reused_by_autograd():
+    """The cached gather index: one built inside ``inference_mode`` cannot be saved for backward,
+    so a later call that needs input gradients (saliency; torch.compile's bf16 training graph)
+    must get its own."""
+    torch.manual_seed(0)
+    model = create_model("lsa_micro_cifar").eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        expected = model(x)
+    x.requires_grad_(True)
+    out = model(x)
+    out.sum().backward()
+    torch.testing.assert_close(out.detach(), expected)
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
 def test_reflection_shift_embedding_matches_reference():
     torch.manual_seed(0)
     emb = ShiftEmbedding(CIFAR_SHIFTS, 3, 5, conv_per_variant=False)

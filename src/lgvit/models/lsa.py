@@ -283,7 +283,8 @@ class ShiftEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_conv, dim, in_chans, kernel_size, kernel_size))
         self.bias = nn.Parameter(torch.zeros(n_conv, dim))
         trunc_normal_(self.weight, std=0.02)
-        self._index_cache: dict[tuple[int, int, str], tuple[torch.Tensor, tuple[int, int]]] = {}
+        # (H, W, device, inference mode) -> (gather index, token grid)
+        self._index_cache: dict[tuple, tuple[torch.Tensor, tuple[int, int]]] = {}
 
     def _index(self, H: int, W: int, device: torch.device) -> tuple[torch.Tensor, tuple[int, int]]:
         k, s, p = self.kernel_size, self.stride, self.padding
@@ -292,7 +293,9 @@ class ShiftEmbedding(nn.Module):
             # from the symbolic sizes with tensor ops (a fixed size keeps it a constant).
             idx, grid = shift_patch_index(self.shifts, H, W, k, s, p, self.in_chans, self.mode)
             return idx.to(device), grid
-        key = (H, W, str(device))
+        # An index built under inference_mode is an inference tensor, which autograd may not
+        # save (torch.compile's bf16 training graph saves it): one entry per mode.
+        key = (H, W, str(device), torch.is_inference_mode_enabled())
         if key not in self._index_cache:
             idx, grid = shift_patch_index(self.shifts, H, W, k, s, p, self.in_chans, self.mode)
             self._index_cache[key] = (idx.to(device), grid)
