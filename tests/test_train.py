@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from lgvit.config import TrainConfig
-from lgvit.train import lr_at, param_groups
+from lgvit.train import lr_at, param_groups, train_size_at
 
 # A tiny, fast run: the micro model at 16px on 512 synthetic images.
 FAST = [
@@ -59,6 +59,40 @@ def test_schedule_warmup_end_and_last_step():
     assert lr_at(999, **kw) > 1e-5
     lrs = [lr_at(s, **kw) for s in range(50, 1001)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))  # monotone decay
+
+
+def test_progressive_resizing_schedule():
+    cfg = TrainConfig(epochs=10, train_size_start=16, train_size_ramp=(0.2, 0.6))
+    # flat to epoch 2 (20%), steps of 8 up to 32 at epoch 6 (60%), then 32 to the end
+    assert [train_size_at(e, cfg, 32) for e in range(10)] == [
+        16,
+        16,
+        16,
+        16,
+        24,
+        24,
+        32,
+        32,
+        32,
+        32,
+    ]
+    off = TrainConfig(epochs=10)
+    assert {train_size_at(e, off, 32) for e in range(10)} == {32}
+    odd = TrainConfig(epochs=4, train_size_start=10, train_size_ramp=(0.0, 1.0), train_size_step=4)
+    assert [train_size_at(e, odd, 32) for e in range(4)] == [10, 14, 18, 26]
+
+
+def test_progressive_resizing_run_and_its_errors(tmp_path):
+    run = tmp_path / "p"
+    p = lgvit("train", *FAST, "--data", "synthetic", "--epochs", "2", "--out", str(run),
+              "--set", "train_size_start=8", "--set", "train_size_ramp=[0.0,0.5]")  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [m["train_size"] for m in metrics(run)] == [8, 16]
+    assert "epoch 1/2 at 8px" in (run / "train.log").read_text()
+    base = [*FAST, "--data", "synthetic", "--epochs", "1", "--out", str(tmp_path / "e")]
+    one_line_error(lgvit("train", *base, "--set", "train_size_start=24"), "train_size_start 24")
+    bad = lgvit("train", *base, "--set", "train_size_ramp=[0.6,0.2]")
+    one_line_error(bad, "train_size_ramp")
 
 
 def test_no_weight_decay_on_pos_embed_norms_biases():

@@ -96,6 +96,10 @@ class TrainConfig:
     remode: str = "pixel"  # random erasing fill: pixel | rand | const
     repeated_aug: int = 1  # repeated augmentation count (DeiT RASampler; 1: off)
     crop_pct: float = 0.875  # eval: resize to size / crop_pct, then centre crop
+    # progressive resizing: early epochs train on downscaled batches, then the full size
+    train_size_start: int | None = None  # training input size of the first epochs (None: off)
+    train_size_ramp: tuple[float, float] = (0.25, 0.75)  # run fractions: grows to img_size
+    train_size_step: int = 8  # progressive sizes: train_size_start + a multiple of this
     # model EMA
     ema: bool = False  # keep an EMA of the weights (saved as last_ema.safetensors)
     ema_decay: float = 0.99996  # EMA decay per step
@@ -440,6 +444,11 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
     for key in ("max_bad_fraction", "mixup_switch_prob", "mixup_prob", "reprob", "drop_path"):
         unit(key)
     unit("label_smoothing", upper_open=True)
+    at_least("train_size_start", 1, optional=True)
+    at_least("train_size_step", 1)
+    a, b = cfg.train_size_ramp
+    if not 0 <= a <= b <= 1:
+        fail("train_size_ramp", "must be two fractions of the run, 0 <= start <= end <= 1")
     unit("ema_decay", upper_open=True)
     if cfg.crop_pct > 1:
         fail("crop_pct", "must be in (0, 1]")

@@ -160,6 +160,23 @@ def lr_at(
     return cfg.min_lr + 0.5 * (base_lr - cfg.min_lr) * (1 + math.cos(math.pi * min(t, 1.0)))
 
 
+def train_size_at(epoch: int, cfg: TrainConfig, full: int) -> int:
+    """Progressive resizing (fast.ai's DAWNBench ImageNet, FFCV): the training input size of
+    ``epoch`` (from 0). ``train_size_start`` up to the fraction ``train_size_ramp[0]`` of the
+    run, then growing linearly in steps of ``train_size_step`` to ``full`` at the fraction
+    ``train_size_ramp[1]``, where it stays. Early epochs cost less (fewer tokens) and the last
+    ones train at the size the model is tested at."""
+    start = cfg.train_size_start
+    if not start or start >= full:
+        return full
+    a, b = cfg.train_size_ramp
+    f = epoch / cfg.epochs
+    if f >= b:
+        return full
+    t = 0.0 if f <= a else (f - a) / (b - a)
+    return min(full, start + int(t * (full - start) / cfg.train_size_step) * cfg.train_size_step)
+
+
 class Lamb(torch.optim.Optimizer):
     """LAMB (You et al. 2020): Adam's update with decoupled weight decay, scaled per tensor by
     the trust ratio ``||w|| / ||update||`` (1 where either norm is zero), as timm's ``lamb``."""
@@ -305,15 +322,24 @@ def build_model(cfg: TrainConfig, num_classes: int) -> tuple[nn.Module, int]:
             f"--img-size {img_size} is smaller than {cfg.model}'s total stride {stride}: its "
             f"last stage would have no tokens (use at least {stride})"
         )
-    probe = torch.zeros(1, getattr(model, "in_chans", 3), img_size, img_size)
-    try:
-        with torch.no_grad():
-            model.eval()(probe)
-    except (ValueError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise LgvitError(
-            f"model {cfg.model} cannot run at --img-size {img_size}: {first}"
-        ) from None
+    sizes = {f"--img-size {img_size}": img_size}
+    if cfg.train_size_start:
+        if cfg.train_size_start > img_size:
+            raise LgvitError(
+                f"train_size_start {cfg.train_size_start} is larger than the training size "
+                f"{img_size}: progressive resizing grows the size up to it"
+            )
+        sizes[f"train_size_start {cfg.train_size_start}"] = cfg.train_size_start
+        if hasattr(model, "dynamic_img_size"):  # resize position embeddings to the input
+            model.dynamic_img_size = True
+    for what, size in sizes.items():
+        probe = torch.zeros(1, getattr(model, "in_chans", 3), size, size)
+        try:
+            with torch.no_grad():
+                model.eval()(probe)
+        except (ValueError, RuntimeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise LgvitError(f"model {cfg.model} cannot run at {what}: {first}") from None
     model.train()
     return model, img_size
 
@@ -528,7 +554,10 @@ def train_one_epoch(
     progress refresh or a log line; a non-finite loss skips the fused AdamW step on the device
     (the count is checked at log lines and at the epoch's end; such a step still advances the
     schedule and moves the EMA toward the unchanged weights); multi-process runs agree on
-    signals every ``AGREE_EVERY`` steps. So the host prepares batch n+1 while step n runs."""
+    signals every ``AGREE_EVERY`` steps. So the host prepares batch n+1 while step n runs.
+
+    Progressive resizing: each batch is downscaled (bilinear, antialiased) to
+    :func:`train_size_at` for this epoch after its augmentation."""
     model.train()
     start = start or EpochProgress()
     # Summed on the device: reading a GPU loss every step would make the host wait for it.
@@ -545,6 +574,9 @@ def train_one_epoch(
         for g in optimizer.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
         x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
+        size = train_size_at(epoch, cfg, x.shape[-1])
+        if size != x.shape[-1]:
+            x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
         with autocast(d.device, amp):
             logits = model(x)
         logits = logits.float()
@@ -927,6 +959,8 @@ def _train(
             "lr": optimizer.param_groups[0]["lr"],
             "img_per_s": round((seen - done_before * world) / train_time, 2),
         }
+        if cfg.train_size_start:
+            metrics["train_size"] = train_size_at(epoch, cfg, img_size)
         evaluated = last or (epoch + 1) % cfg.eval_every == 0
         is_best = False
         if evaluated:
@@ -960,8 +994,9 @@ def _train(
         if "test_ema_acc1" in metrics:
             tested += f" (EMA top-1 {metrics['test_ema_acc1']:.2f}%)"
         eta = f", run ETA {format_duration(clock.eta(step) or 0)}" if not last else ""
+        at_size = f" at {metrics['train_size']}px" if "train_size" in metrics else ""
         log(
-            f"epoch {epoch + 1}/{cfg.epochs}: train loss {train_loss:.4f}{tested}, "
+            f"epoch {epoch + 1}/{cfg.epochs}{at_size}: train loss {train_loss:.4f}{tested}, "
             f"{metrics['img_per_s']:.0f} img/s, {metrics['epoch_time_s']:.1f}s{eta}"
         )
         _fault_injection(epoch)
