@@ -300,3 +300,28 @@ def test_flip_test_time_augmentation_averages_the_mirrored_logits():
     assert got["loss"] != pytest.approx(plain["loss"])
     with pytest.raises(LgvitError, match="tta='crop'"):
         evaluate(model, batches, 3, Dist(), None, tta="crop")
+
+
+def test_flip_translate_tta_averages_six_views():
+    from lgvit.train import Dist, evaluate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 5, 3))
+    x = torch.randn(10, 3, 4, 5)
+    y = torch.arange(10) % 3
+
+    def shifted(img, dy, dx):  # out[i, j] = img[i + dy, j + dx], reflected at the border
+        def idx(n, d):
+            i = torch.arange(n) + d
+            return torch.where(i < 0, -i, torch.where(i >= n, 2 * (n - 1) - i, i))
+
+        return img[..., idx(img.shape[-2], dy), :][..., idx(img.shape[-1], dx)]
+
+    with torch.no_grad():
+        pair = [
+            0.5 * (model(v) + model(v.flip(-1))) for v in (x, shifted(x, -1, -1), shifted(x, 1, 1))
+        ]
+        want = 0.5 * pair[0] + 0.25 * (pair[1] + pair[2])
+    got = evaluate(model, [(x[:6], y[:6]), (x[6:], y[6:])], 3, Dist(), None, tta="flip-translate")
+    assert got["loss"] == pytest.approx(torch.nn.functional.cross_entropy(want, y).item())
+    assert got["acc1"] == pytest.approx(100.0 * (want.argmax(1) == y).double().mean().item())

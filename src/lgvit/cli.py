@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lgvit.config import TTA_MODES
 from lgvit.errors import LgvitError
 
 
@@ -431,9 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--tta",
-        choices=["none", "flip"],
+        choices=list(TTA_MODES),
         default="none",
-        help="flip: average the logits of each image and its mirror image",
+        help="flip: average the logits of each image and its mirror image; flip-translate: "
+        "also of the two one-pixel shifts and their mirror images (six views)",
     )
     p.add_argument(
         "--any-classes",

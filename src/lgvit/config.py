@@ -45,7 +45,7 @@ TRAIN_CROPS = ("random_crop", "random_resized_crop", "none")
 RE_MODES = ("pixel", "rand", "const")  # random erasing fill, as in timm
 OPTIMIZERS = ("adamw", "sgd", "lamb")
 SCHEDULES = ("cosine", "step", "none")
-TTA_MODES = ("none", "flip")
+TTA_MODES = ("none", "flip", "flip-translate")
 
 
 @dataclass
@@ -115,7 +115,7 @@ class TrainConfig:
     resume: str | None = None  # None | 'auto' (the last checkpoint in out) | a checkpoint
     initial_checkpoint: str | None = None  # start from these weights (fine-tuning), fresh run
     eval_every: int = 1  # evaluate every N epochs (and after the last)
-    eval_tta: str = "none"  # none | flip: also run each test image mirrored, average the logits
+    eval_tta: str = "none"  # none | flip | flip-translate: test-time augmentation (mean logits)
     save_every: int = 1  # write the `last` checkpoint every N epochs (and after the last)
     save_every_steps: int = 0  # also a mid-epoch checkpoint every N steps (0: off)
     save_every_min: float | None = None  # ... or every N minutes of training

@@ -35,6 +35,7 @@ from lgvit.checkpoint import (
     state_dict_to_cpu,
 )
 from lgvit.config import (
+    TTA_MODES,
     TrainConfig,
     config_from_dict,
     config_keys,
@@ -386,6 +387,26 @@ def augment_config(cfg: TrainConfig, img_size: int, splits: DatasetSplits) -> Au
 # --------------------------------------------------------------------------------- evaluation
 
 
+def _mirror_logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (model(x).float() + model(x.flip(-1)).float())
+
+
+def tta_logits(model: nn.Module, x: torch.Tensor, tta: str) -> torch.Tensor:
+    """Logits of ``x`` under test-time augmentation ``tta`` (one of ``TTA_MODES``):
+    ``none``; ``flip``: the mean over the image and its mirror image; ``flip-translate``
+    (airbench's six views): half the flip mean, plus half the mean of the flip means of the
+    image shifted one pixel up-left and one pixel down-right (reflect-padded)."""
+    if tta == "none":
+        return model(x).float()
+    logits = _mirror_logits(model, x)
+    if tta == "flip":
+        return logits
+    H, W = x.shape[-2:]
+    padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+    shifted = [padded[..., :H, :W], padded[..., 2 : H + 2, 2 : W + 2]]
+    return 0.5 * logits + 0.25 * sum(_mirror_logits(model, v) for v in shifted)
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -397,10 +418,10 @@ def evaluate(
     tta: str = "none",
 ) -> dict[str, Any]:
     """Top-1, top-5, loss and per-class accuracy over the whole test split (all ranks); a
-    progress bar on a terminal (rank 0). ``tta='flip'``: the logits are the mean of the image's
-    and its mirror image's (the short-budget CIFAR recipes' test-time augmentation)."""
-    if tta not in ("none", "flip"):
-        raise LgvitError(f"tta={tta!r}: must be 'none' or 'flip'")
+    progress bar on a terminal (rank 0). ``tta``: test-time augmentation, see :func:`tta_logits`
+    (the short-budget CIFAR recipes')."""
+    if tta not in TTA_MODES:
+        raise LgvitError(f"tta={tta!r}: must be one of {', '.join(TTA_MODES)}")
     model.eval()
     progress = StepProgress(len(loader), desc, d.main and on_terminal())
     correct1 = torch.zeros((), dtype=torch.float64)
@@ -412,9 +433,7 @@ def evaluate(
     for x, y in loader:
         x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
         with autocast(d.device, amp):
-            logits = model(x).float()
-            if tta == "flip":
-                logits = 0.5 * (logits + model(x.flip(-1)).float())
+            logits = tta_logits(model, x, tta)
         loss_sum += F.cross_entropy(logits, y, reduction="sum").double().cpu()
         top = logits.topk(k, dim=1).indices
         hit1 = (top[:, 0] == y).double().cpu()
