@@ -229,3 +229,8 @@ def test_progress_bar_on_a_terminal_only(capsys):
     assert format_duration(75) == "1m15s" and format_duration(3 * 3600 + 120) == "3h02m"
     clock = RunClock(total_steps=10, start_step=4)
     assert clock.eta(4) is None and clock.eta(6) >= 0
+    # progressive resizing: 4 steps per epoch, epoch costs 1, 1, 4 -> cost 4 done of 24 in all
+    sized = RunClock(12, 0, steps_per_epoch=4, epoch_cost=lambda e: 4.0 if e == 2 else 1.0)
+    assert sized._cost(4) == 4 and sized._cost(10) == 16 and sized._cost(12) == 24
+    sized.t0 -= 10.0  # 10 s for the first epoch
+    assert sized.eta(4) == pytest.approx(10.0 / 4 * 20, rel=0.01)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tqdm import tqdm
@@ -26,17 +27,37 @@ def format_duration(seconds: float) -> str:
 
 class RunClock:
     """ETA of the whole run from the steps done so far in this process (a resumed run counts
-    from where it resumed)."""
+    from where it resumed). ``epoch_cost(epoch)``: the relative cost of that epoch's steps
+    (progressive resizing: early, smaller epochs are cheaper), so the ETA is not thrown off by
+    them; ``steps_per_epoch`` goes with it."""
 
-    def __init__(self, total_steps: int, start_step: int) -> None:
+    def __init__(
+        self,
+        total_steps: int,
+        start_step: int,
+        steps_per_epoch: int | None = None,
+        epoch_cost: Callable[[int], float] | None = None,
+    ) -> None:
         self.total, self.start = total_steps, start_step
+        self.per_epoch = steps_per_epoch or max(total_steps, 1)
+        epochs = -(-total_steps // self.per_epoch)
+        self.epoch_cost = [epoch_cost(e) if epoch_cost else 1.0 for e in range(epochs)]
+        self.cum = [0.0]  # cost of the epochs before each epoch
+        for c in self.epoch_cost:
+            self.cum.append(self.cum[-1] + c * self.per_epoch)
         self.t0 = time.perf_counter()
 
+    def _cost(self, step: int) -> float:
+        """Cost of steps 0 .. step-1."""
+        step = min(max(step, 0), self.total)
+        e, r = divmod(step, self.per_epoch)
+        return self.cum[e] + (self.epoch_cost[e] * r if r else 0.0)
+
     def eta(self, step: int) -> float | None:
-        done = step - self.start
+        done = self._cost(step) - self._cost(self.start)
         if done <= 0:
             return None
-        return (time.perf_counter() - self.t0) / done * (self.total - step)
+        return (time.perf_counter() - self.t0) / done * (self._cost(self.total) - self._cost(step))
 
 
 class StepProgress:

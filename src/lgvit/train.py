@@ -934,7 +934,11 @@ def _train(
     meta = checkpoint_metadata(cfg, img_size, splits)
     metrics: dict[str, Any] = {}
     t_start = time.time()
-    clock = RunClock(cfg.epochs * steps_per_epoch, step)
+    # step cost ~ tokens ~ pixels: progressive resizing's small early epochs are cheap
+    clock = RunClock(
+        cfg.epochs * steps_per_epoch, step, steps_per_epoch,
+        lambda e: (train_size_at(e, cfg, img_size) / img_size) ** 2,
+    )  # fmt: skip
 
     def save(epoch: int, step: int, is_best: bool, mid: EpochProgress | None = None) -> None:
         extra: dict[str, Any] = {"history": history}
