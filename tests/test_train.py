@@ -64,22 +64,43 @@ def test_schedule_warmup_end_and_last_step():
 def test_progressive_resizing_schedule():
     cfg = TrainConfig(epochs=10, train_size_start=16, train_size_ramp=(0.2, 0.6))
     # flat to epoch 2 (20%), steps of 8 up to 32 at epoch 6 (60%), then 32 to the end
-    assert [train_size_at(e, cfg, 32) for e in range(10)] == [
-        16,
-        16,
-        16,
-        16,
-        24,
-        24,
-        32,
-        32,
-        32,
-        32,
-    ]
+    want = [16, 16, 16, 16, 24, 24, 32, 32, 32, 32]
+    assert [train_size_at(e, cfg, 32) for e in range(10)] == want
     off = TrainConfig(epochs=10)
     assert {train_size_at(e, off, 32) for e in range(10)} == {32}
     odd = TrainConfig(epochs=4, train_size_start=10, train_size_ramp=(0.0, 1.0), train_size_step=4)
     assert [train_size_at(e, odd, 32) for e in range(4)] == [10, 14, 18, 26]
+
+
+def test_progressive_resizing_feeds_the_model_downscaled_batches():
+    import torch
+    import torch.nn.functional as F
+
+    from lgvit.train import Dist, train_one_epoch
+
+    seen = []
+
+    class Recorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            seen.append(x.detach().clone())
+            return self.head(x.mean((2, 3)))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 0, 1])
+    cfg = TrainConfig(epochs=4, train_size_start=16, train_size_ramp=(0.5, 1.0), clip_grad=None)
+    model = Recorder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = dict(total_steps=4, warmup_steps=0, cfg=cfg, base_lr=0.1)
+    for epoch in (0, 3):  # 16px, then 16 + 8 (t = 0.5 of the ramp)
+        train_one_epoch(model, [(x, y)], opt, None, None, cfg, Dist(), None, epoch, sched,
+                        epoch, lambda *a, **k: None)  # fmt: skip
+    assert [t.shape[-1] for t in seen] == [16, 24]
+    ref = F.interpolate(x, size=(16, 16), mode="bilinear", antialias=True, align_corners=False)
+    torch.testing.assert_close(seen[0], ref)
 
 
 def test_progressive_resizing_run_and_its_errors(tmp_path):
