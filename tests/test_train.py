@@ -61,6 +61,18 @@ def test_schedule_warmup_end_and_last_step():
     assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))  # monotone decay
 
 
+def test_linear_schedule_falls_at_a_constant_rate_to_min_lr():
+    cfg = TrainConfig(warmup_lr=1e-6, min_lr=1e-5, sched="linear")
+    kw = dict(total_steps=1050, warmup_steps=50, cfg=cfg, base_lr=5e-4)
+    assert lr_at(25, **kw) == pytest.approx(1e-6 + (5e-4 - 1e-6) / 2)  # the same warm-up
+    assert lr_at(50, **kw) == pytest.approx(5e-4)
+    assert lr_at(300, **kw) == pytest.approx(1e-5 + (5e-4 - 1e-5) * 0.75)
+    assert lr_at(800, **kw) == pytest.approx(1e-5 + (5e-4 - 1e-5) * 0.25)
+    assert lr_at(1050, **kw) == pytest.approx(1e-5) == lr_at(2000, **kw)
+    steps = [lr_at(s, **kw) - lr_at(s + 1, **kw) for s in range(50, 1050)]
+    assert max(steps) == pytest.approx(min(steps))  # every step lowers it by the same amount
+
+
 def test_progressive_resizing_schedule():
     cfg = TrainConfig(epochs=10, train_size_start=16, train_size_ramp=(0.2, 0.6))
     # flat to epoch 2 (20%), steps of 8 up to 32 at epoch 6 (60%), then 32 to the end

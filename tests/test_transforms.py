@@ -292,6 +292,24 @@ def test_random_crop_without_padding_or_flip_is_identity():
     assert torch.equal(T.random_crop_flip(x, 8, 0, False, gen=_gen()), x)
 
 
+def test_random_crops_take_an_explicit_flip_mask():
+    x = _rand_u8((6, 3, 10, 10), seed=4)
+    mask = torch.tensor([True, False, False, True, True, False])
+    out = T.random_crop_flip(x, 8, 2, mask, gen=_gen(5))
+    g = _gen(5)  # crop offsets only: nothing is drawn for a given mask
+    top = torch.randint(0, 10 + 4 - 8 + 1, (6,), generator=g)
+    left = torch.randint(0, 10 + 4 - 8 + 1, (6,), generator=g)
+    xp = F.pad(x, (2,) * 4)
+    for i in range(6):
+        crop = xp[i, :, top[i] : top[i] + 8, left[i] : left[i] + 8]
+        assert torch.equal(out[i], crop.flip(-1) if mask[i] else crop)
+    whole = T.random_resized_crop(x, 10, scale=(1.0, 1.0), ratio=(1.0, 1.0), gen=_gen(), flip=mask)
+    for i in range(6):
+        assert torch.equal(whole[i], x[i].flip(-1) if mask[i] else x[i])
+    with pytest.raises(LgvitError, match=r"flip mask: expected a \(6,\) bool tensor"):
+        T.random_crop_flip(x, 8, 2, mask[:5], gen=_gen())
+
+
 def test_random_resized_crop_shape_and_full_crop_identity():
     x = _rand_u8((5, 3, 24, 24), seed=1)
     out = T.random_resized_crop(x, 16, gen=_gen(0))
@@ -432,6 +450,31 @@ def test_loader_augmentation_stream_depends_on_seed_epoch_and_rank():
     assert not torch.equal(ref, first_batch(epoch=1))
     assert not torch.equal(ref, first_batch(rank=1))
     assert not torch.equal(ref, first_batch(seed=1))
+
+
+def test_alternating_flip_mirrors_each_image_in_every_other_epoch():
+    # Crop without padding (a no-op at full size), so each sample is its image or its mirror.
+    images, labels = _data(40)
+    aug = _plain_aug(crop_padding=0, rand_augment=None, reprob=0.0, alternate_flip=True)
+    plain = T.normalize(images, aug.mean, aug.std)
+
+    def flipped(epoch: int, rank: int = 0, world: int = 1, seed: int = 7) -> dict[int, bool]:
+        ld = BatchLoader(images, labels, 4, num_classes=40, train=True, aug=aug, seed=seed,
+                         rank=rank, world_size=world)  # fmt: skip
+        ld.set_epoch(epoch)
+        out = {}
+        for x, y in ld:
+            for xi, i in zip(x, y.tolist(), strict=True):
+                assert torch.equal(xi, plain[i]) or torch.equal(xi, plain[i].flip(-1))
+                out[i] = torch.equal(xi, plain[i].flip(-1))
+        return out
+
+    e0, e1, e2 = flipped(0), flipped(1), flipped(2)
+    assert 10 < sum(e0.values()) < 30  # a random phase per image
+    assert all(e0[i] != e1[i] and e0[i] == e2[i] for i in range(40))
+    # Every rank agrees on the phase (a shard of epoch 1 matches the single-process run).
+    assert flipped(1, rank=1, world=2) == {i: e1[i] for i in flipped(1, rank=1, world=2)}
+    assert flipped(0, seed=8) != e0
 
 
 def test_loader_rank_shards_disjoint_and_cover():

@@ -160,7 +160,7 @@ TIMM_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--reprob": ("reprob", float, "random erasing probability"),
     "--clip-grad": ("clip_grad", _none_or(float), "gradient-norm clip (none: off)"),
     "--opt": ("opt", str, "adamw | sgd | lamb"),
-    "--sched": ("sched", str, "cosine | step | none"),
+    "--sched": ("sched", str, "cosine | linear | step | none"),
     "--momentum": ("momentum", float, "SGD momentum"),
     "--decay-epochs": ("decay_epochs", float, "step schedule: epochs between decays"),
     "--decay-rate": ("decay_rate", float, "step schedule: lr factor per decay"),

@@ -44,7 +44,7 @@ AMP_MODES = ("auto", "bf16", "fp16", "none")
 TRAIN_CROPS = ("random_crop", "random_resized_crop", "none")
 RE_MODES = ("pixel", "rand", "const")  # random erasing fill, as in timm
 OPTIMIZERS = ("adamw", "sgd", "lamb")
-SCHEDULES = ("cosine", "step", "none")
+SCHEDULES = ("cosine", "linear", "step", "none")
 TTA_MODES = ("none", "flip", "flip-translate")
 
 
@@ -79,13 +79,14 @@ class TrainConfig:
     opt_eps: float = 1e-8  # AdamW / LAMB epsilon
     opt: str = "adamw"  # adamw | sgd (momentum 0.9, nesterov) | lamb
     momentum: float = 0.9  # sgd
-    sched: str = "cosine"  # cosine | step | none (after the linear warm-up)
+    sched: str = "cosine"  # cosine | linear | step | none (after the linear warm-up)
     decay_epochs: float = 30.0  # step: multiply the lr by decay_rate every decay_epochs
     decay_rate: float = 0.1  # step: the factor
     # augmentation (DeiT)
     train_crop: str = "random_crop"  # random_crop | random_resized_crop | none
     crop_padding: int = 4  # random_crop's zero padding (CIFAR recipe: 4)
     hflip: bool = True  # random horizontal flip
+    alternate_flip: bool = False  # with hflip: each image mirrored in every other epoch (airbench)
     rand_augment: str | None = "rand-m9-mstd0.5-inc1"  # timm RandAugment spec (None: off)
     mixup: float = 0.8  # mixup alpha (0: off)
     cutmix: float = 1.0  # cutmix alpha (0: off)

@@ -50,6 +50,8 @@ class AugmentConfig:
     train_crop: str = "random_crop"
     crop_padding: int = 4
     hflip: bool = True
+    # airbench's alternating flip (with hflip): each image is mirrored in every other epoch.
+    alternate_flip: bool = False
     # timm-style RandAugment spec parsed by parse_rand_augment(); None or '' disables it.
     rand_augment: str | None = "rand-m9-mstd0.5-inc1"
     mixup: float = 0.8
@@ -217,6 +219,7 @@ class BatchLoader:
         self.device = torch.device(device)
         self.repeated_aug = repeated_aug if train else 1
         self.epoch = 0
+        self._flip_phase: torch.Tensor | None = None
         self._ra = parse_rand_augment(self.aug.rand_augment) if self.aug.rand_augment else None
         self._mix = train and self.aug.mix_active
         self._soft = train and (self._mix or self.aug.label_smoothing > 0)
@@ -317,21 +320,32 @@ class BatchLoader:
         pct = self.aug.crop_pct if not self.train else 1.0
         return resize_center_crop(x, s, crop_pct=pct)
 
+    def _flips(self, idx: torch.Tensor) -> torch.Tensor:
+        """Alternating flips (airbench): image ``i`` is mirrored in epoch ``e`` when its random
+        phase bit (from the seed alone, the same on every rank) differs from ``e % 2``, so any
+        two consecutive epochs show every image both ways -- a random flip repeats the same
+        view in half the pairs. (Repeated augmentation's copies of an image share the flip.)"""
+        if self._flip_phase is None:
+            g = torch.Generator().manual_seed(_seed(self.seed, 0, 0, 3))
+            self._flip_phase = torch.rand(self.dataset_size, generator=g) < 0.5
+        return self._flip_phase[idx.cpu()] ^ bool(self.epoch % 2)
+
     def _train_batch(
-        self, x: torch.Tensor, y: torch.Tensor, gen: torch.Generator
+        self, x: torch.Tensor, y: torch.Tensor, gen: torch.Generator, idx: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.aug
+        flip = self._flips(idx) if a.hflip and a.alternate_flip else a.hflip
         if self.device.type != "cpu":
             # On a GPU the whole recipe runs there: the uint8 batch (a quarter of its float
             # size) moves once, pinned and non-blocking, and no op waits for the host.
             x, y = self._to_device(x), self._to_device(y)
         if a.train_crop == "random_resized_crop":
-            x = random_resized_crop(x, a.img_size, a.rrc_scale, a.rrc_ratio, gen=gen, flip=a.hflip)
+            x = random_resized_crop(x, a.img_size, a.rrc_scale, a.rrc_ratio, gen=gen, flip=flip)
         else:
             x = self._fit_size(x)
             pad = a.crop_padding if a.train_crop == "random_crop" else 0
             if pad > 0 or a.hflip:
-                x = random_crop_flip(x, a.img_size, pad, a.hflip, gen=gen)
+                x = random_crop_flip(x, a.img_size, pad, flip, gen=gen)
         if self._ra is not None:
             x = rand_augment(x, gen, fill=mean_to_fill(a.mean), **self._ra)
         x, y = self._to_device(x), self._to_device(y)
@@ -362,7 +376,7 @@ class BatchLoader:
             idx = idx_all[s:e].to(self.images.device)
             x, y = self.images[idx], self.labels[idx]
             if self.train:
-                yield self._train_batch(x, y, gen)
+                yield self._train_batch(x, y, gen, idx)
             else:
                 x = self._fit_size(self._to_device(x))
                 yield normalize(x, self.aug.mean, self.aug.std), self._to_device(y)

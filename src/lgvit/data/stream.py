@@ -149,13 +149,14 @@ class StreamingLoader(BatchLoader):
                         f"{self.bad} of the first {self.seen} images are unreadable (more than "
                         f"{self.max_bad_fraction:.0%}), e.g. {self.first_bad}"
                     )
-            x, y = x[ok], y[ok]
+            idx = torch.as_tensor(idx)
+            x, y, idx = x[ok], y[ok], idx[ok]
             if self._mix and len(y) % 2:
-                x, y = x[:-1], y[:-1]
+                x, y, idx = x[:-1], y[:-1], idx[:-1]
             if len(y) == 0:
                 continue
             if self.train:
-                yield self._train_batch(x, y, gen)
+                yield self._train_batch(x, y, gen, idx)
             else:
                 yield normalize(self._to_device(x), self.aug.mean, self.aug.std), self._to_device(y)
 

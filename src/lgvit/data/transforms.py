@@ -167,7 +167,7 @@ def random_crop_flip(
     x: torch.Tensor,
     size: int,
     padding: int = 4,
-    flip: bool = True,
+    flip: bool | torch.Tensor = True,
     *,
     gen: torch.Generator,
 ) -> torch.Tensor:
@@ -176,6 +176,8 @@ def random_crop_flip(
     Vectorised: the batch is padded once and all crops are taken with two ``gather`` calls.
     Draw order from ``gen`` (all on ``gen.device``): ``top = randint(0, Hp - size + 1, (B,))``,
     ``left = randint(0, Wp - size + 1, (B,))``, then (if ``flip``) ``flipped = rand(B) < 0.5``.
+    ``flip`` may instead be a (B,) bool tensor saying which images to mirror (nothing is drawn
+    for it): the loader's alternating flips.
     """
     _check_images(x, "random_crop_flip", uint8=None)
     b, c, h, w = x.shape
@@ -186,8 +188,8 @@ def random_crop_flip(
     left = torch.randint(0, wp - size + 1, (b,), generator=gen, device=gen.device)
     ar = torch.arange(size, device=gen.device)
     cols = ar.expand(b, size)
-    if flip:
-        flipped = torch.rand(b, generator=gen, device=gen.device) < 0.5
+    flipped = _flip_mask(flip, b, gen)
+    if flipped is not None:
         # Folding the flip into the column index costs nothing extra.
         cols = torch.where(flipped[:, None], size - 1 - ar, ar)
     rows = (top[:, None] + ar).to(x.device, non_blocking=True)
@@ -196,6 +198,16 @@ def random_crop_flip(
     # Two gathers (rows, then columns) beat one 4-D advanced index by ~2x on CPU.
     xr = xp.gather(2, rows.view(b, 1, size, 1).expand(b, c, size, wp))
     return xr.gather(3, cols.view(b, 1, 1, size).expand(b, c, size, size))
+
+
+def _flip_mask(flip: bool | torch.Tensor, b: int, gen: torch.Generator) -> torch.Tensor | None:
+    """Which of ``b`` images to mirror: given as a (B,) bool tensor, drawn with p=0.5, or none."""
+    if isinstance(flip, torch.Tensor):
+        if flip.shape != (b,) or flip.dtype != torch.bool:
+            raise LgvitError(f"flip mask: expected a ({b},) bool tensor, got {flip.dtype} "
+                             f"{tuple(flip.shape)}")  # fmt: skip
+        return flip.to(gen.device, non_blocking=True)
+    return (torch.rand(b, generator=gen, device=gen.device) < 0.5) if flip else None
 
 
 def _crop_theta(
@@ -226,9 +238,12 @@ def random_resized_crop(
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
     *,
     gen: torch.Generator,
-    flip: bool = True,
+    flip: bool | torch.Tensor = True,
 ) -> torch.Tensor:
     """torchvision ``RandomResizedCrop(size, scale, ratio, bicubic)`` + horizontal flip, uint8.
+
+    ``flip``: True (each image mirrored with p=0.5), False, or a (B,) bool tensor of the
+    images to mirror.
 
     Box sampling follows torchvision exactly (10 attempts, then the centre-crop fallback),
     vectorised over the batch. The resize is a single bicubic ``grid_sample`` over the batch
@@ -262,7 +277,7 @@ def random_resized_crop(
     left = (_rand((b,), gen) * (w - cw + 1)).floor()
     top = torch.where(found, top, torch.full_like(top, (h - fh) // 2))
     left = torch.where(found, left, torch.full_like(left, (w - fw) // 2))
-    flipped = (torch.rand(b, generator=gen, device=gen.device) < 0.5) if flip else None
+    flipped = _flip_mask(flip, b, gen)
     theta = _crop_theta(top, left, ch, cw, (h, w), flipped).to(x.device, non_blocking=True)
     grid = F.affine_grid(theta, [b, 3, size, size], align_corners=False)
     out = F.grid_sample(x.float(), grid, mode="bicubic", padding_mode="border", align_corners=False)
