@@ -1,6 +1,7 @@
 # Two commands for a fresh machine (README): `make demo` and `make test`.
-# torch==2.13.0 is installed first so pip takes the local CPU build here; the package itself
-# only asks for torch>=2.4, so GPU users keep their CUDA build.
+# The matching pair torch==2.14.1 / torchvision==0.29.1 (PyPI's default build, which runs on
+# CPUs too) is installed first so torchvision's compiled ops load; the package itself only asks
+# for torch>=2.4 and torchvision>=0.19, so GPU users keep the builds they have.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.lgvit-installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.14.1 torchvision==0.29.1
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,viz,export]"
 	touch $(STAMP)
 

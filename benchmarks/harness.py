@@ -49,9 +49,15 @@ def _stub_attr(attr: str) -> type:
 
 
 def stub_torchvision() -> None:
-    """An empty ``torchvision`` so that old timm (0.3.2) imports beside a torch build without
-    torchvision; the model code never calls it."""
+    """An empty ``torchvision`` so that old timm (0.3.2) imports where torchvision does not
+    (a torch build without it); the model code never calls it. A working torchvision is kept."""
     if "torchvision" in sys.modules:
+        return
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # noqa: BLE001 -- missing, or built for another torch
+        pass
+    else:
         return
     parent = None
     for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"):

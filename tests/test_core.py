@@ -316,55 +316,6 @@ def test_prune_intermediate_layers():
     torch.testing.assert_close(got[0], want[0])
 
 
-def _groups(model, matcher):
-    """timm's group_parameters, restated: each parameter's ordinal from the first matching
-    regex (its captured numbers + the rule's suffix); the stem is group 0; unmatched go last."""
-    import re
-
-    rules = [(re.compile(matcher["stem"]), (0,))]
-    blocks = matcher["blocks"]
-    blocks = [(blocks, None)] if isinstance(blocks, str) else blocks
-    rules += [(re.compile(p), suffix) for p, suffix in blocks]
-    ordinals = {}
-    for name, _ in model.named_parameters():
-        for i, (rx, suffix) in enumerate(rules):
-            hit = rx.match(name)
-            if hit:
-                nums = tuple(float(g) for g in hit.groups() if g and g.isdigit())
-                ordinals[name] = (0,) if i == 0 else (1, *nums, *(suffix or ()))
-                break
-        else:
-            ordinals[name] = (math.inf,)
-    order = sorted(set(ordinals.values()))
-    return {n: order.index(o) for n, o in ordinals.items()}
-
-
-def test_group_matcher_gives_layer_wise_groups():
-    m = lgvit.create_model("lsa_micro_cifar")
-    fine = _groups(m, m.group_matcher())
-    coarse = _groups(m, m.group_matcher(coarse=True))
-    assert fine["patch_embed.weight"] == 0 and fine["local_block.attn.q.weight"] == 0
-    # stem, 5 blocks (1 + 2 + 2; stage 2 and 3 downsample share their first block's group),
-    # final norm, head.
-    assert len(set(fine.values())) == 1 + 5 + 1 + 1
-    assert len(set(coarse.values())) == 1 + 3 + 1 + 1
-    assert fine["stages.0.blocks.0.attn.q.weight"] < fine["stages.2.blocks.1.mlp.fc2.weight"]
-    assert fine["head.weight"] == max(fine.values())
-
-
-def test_timm_reads_our_models():
-    timm = pytest.importorskip("timm", reason="timm is not installed (reference venv only)")
-    from timm.data import resolve_data_config
-    from timm.optim import param_groups_layer_decay
-
-    m = lgvit.create_model("lsa_micro_cifar")
-    cfg = resolve_data_config(model=m)
-    assert cfg["input_size"] == (3, 32, 32) and cfg["mean"] == lgvit.models.lsa.CIFAR_MEAN
-    groups = param_groups_layer_decay(m, weight_decay=0.05, layer_decay=0.75)
-    assert len(groups) > 4, [g.get("lr_scale") for g in groups]
-    assert timm.__version__
-
-
 def test_explicit_attention_path_matches_the_fused_kernel():
     # bf16 training on the CPU takes the explicit matmul path (faster backward); same maths.
     from lgvit.models.layers.attention import _explicit_attention

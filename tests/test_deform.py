@@ -135,7 +135,8 @@ def test_token_merging_starts_as_patch_merging():
 
 
 def test_torchvision_parity():
-    tv = pytest.importorskip("torchvision.ops", reason="torchvision is not installed here")
+    import torchvision.ops as tv
+
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 4, 7, 6, generator=g, requires_grad=True)
     off = (2 * torch.randn(3, 8, 3, 3, generator=g)).requires_grad_(True)
@@ -150,3 +151,24 @@ def test_torchvision_parity():
     got_g = torch.autograd.grad(got, (x, off, w), cot)
     for a, e in zip(got_g, want_g, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_default_is_the_pure_path_and_torchvision_takes_bf16(monkeypatch):
+    import lgvit.models.layers.deform as deform
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 6, 6, generator=g)
+    off = torch.randn(2, 8, 3, 3, generator=g)
+    w = torch.randn(5, 4, 2, 2, generator=g)
+    b = torch.randn(5, generator=g)
+    want = deform_conv2d(x, off, w, b, 2, 0, use_torchvision=True)
+    # bf16 tensors (no autocast): torchvision's CPU kernel has no bf16; it runs in float32.
+    got = deform_conv2d(*(t.bfloat16() for t in (x, off, w, b)), 2, 0, use_torchvision=True)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.1)
+
+    def no_torchvision():  # the CPU default must not reach torchvision's kernel (slower)
+        raise AssertionError("torchvision's kernel was called on the CPU by default")
+
+    monkeypatch.setattr(deform, "_torchvision_deform_conv2d", no_torchvision)
+    torch.testing.assert_close(deform_conv2d(x, off, w, b, 2, 0), want, rtol=1e-4, atol=1e-4)

@@ -35,6 +35,7 @@ from lgvit.errors import LgvitError
 from lgvit.measure import (
     count_macs,
     count_params,
+    cpu_bf16_note,
     describe_machine,
     make_step,
     matmul_peak_flops,
@@ -196,7 +197,7 @@ def run_bench(
         raise LgvitError("--device cuda: CUDA is not available on this machine")
     if opts.batch_size < 1 or opts.rounds < 1:
         raise LgvitError("--batch-size and --rounds must be at least 1")
-    from lgvit.train import resolve_amp
+    from lgvit.runtime import resolve_amp
 
     amp = resolve_amp(opts.amp, device)
     precision = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp]
@@ -209,6 +210,8 @@ def run_bench(
     for name in names:
         input_size = _input_size(name, opts.img_size)
         row = {"model": name, "input": input_size[-1], "batch": opts.batch_size, "error": None}
+        if device.type == "cpu":
+            row["cpu_bf16"] = cpu_bf16_note()  # a CSV row alone still says it
         row.update(paper_columns(name))
         rows[name] = row
         try:
@@ -372,7 +375,8 @@ def format_result(result: dict[str, Any], fmt: str) -> str:
     if fmt == "csv":
         out = io.StringIO()
         keys = [c[0] for c in COLUMNS] + [
-            "batch", "paper_params_note", "paper_macs_note", "paper_hardware", "paper_top1_on",
+            "batch", "cpu_bf16", "paper_params_note", "paper_macs_note", "paper_hardware",
+            "paper_top1_on",
         ]  # fmt: skip
         keys = list(dict.fromkeys(keys))
         writer = csv.DictWriter(out, fieldnames=keys, extrasaction="ignore")

@@ -180,7 +180,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from lgvit.data.loader import AugmentConfig
     from lgvit.data.stream import make_loader
     from lgvit.inference import load_model
-    from lgvit.train import Dist, evaluate, resolve_amp
+    from lgvit.runtime import resolve_amp
+    from lgvit.train import Dist, evaluate
 
     model = load_model(args.checkpoint, args.device, args.model, args.img_size)
     device = next(model.parameters()).device

@@ -223,7 +223,8 @@ def peak_rss_mb() -> float:
 
 
 def describe_machine(device: torch.device | str = "cpu") -> str:
-    """CPU model name (or the GPU's) and the torch version, for the header of a result."""
+    """CPU model name and whether it has native bf16 (or the GPU's name), the thread count and
+    the torch version, for the header of a result."""
     device = torch.device(device)
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
@@ -233,4 +234,14 @@ def describe_machine(device: torch.device | str = "cpu") -> str:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    return (
+        f"{cpu} ({cpu_bf16_note()}), {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
+
+
+def cpu_bf16_note() -> str:
+    """``'native bf16: amx_bf16'`` (or the flag found), or ``'bf16 emulated'``."""
+    from lgvit.runtime import cpu_bf16_support
+
+    flag = cpu_bf16_support()
+    return f"native bf16: {flag}" if flag else "bf16 emulated"

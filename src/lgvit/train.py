@@ -6,7 +6,6 @@ training, evaluation, checkpoints, and ``train()`` tying them together.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import json
@@ -51,6 +50,7 @@ from lgvit.errors import LgvitError
 from lgvit.models import create_model, get_model_config, is_model, list_models
 from lgvit.progress import RunClock, StepProgress, format_duration, on_terminal
 from lgvit.rundir import RunLock, remove_stale_temps
+from lgvit.runtime import autocast, resolve_amp
 
 # --------------------------------------------------------------------------------- processes
 
@@ -103,38 +103,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-# --------------------------------------------------------------------------------- precision
-
-
-def cpu_supports_bf16() -> bool:
-    """AMX or AVX512-BF16: the CPU has fast bf16 matmuls (oneDNN reports it)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
-    """'auto' -> bf16 where the hardware runs it fast, else full precision."""
-    if amp == "none":
-        return None
-    if amp == "fp16":
-        if device.type != "cuda":
-            raise LgvitError("--amp fp16 needs a CUDA GPU; use --amp bf16 or none on the CPU")
-        return torch.float16
-    if amp == "bf16":
-        return torch.bfloat16
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_supports_bf16() else None
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
 
 
 # --------------------------------------------------------------------------------- schedule

@@ -54,7 +54,8 @@ class StagedViT(nn.Module):
 
     Class attributes a family may set:
         stages_attr: the attribute holding the stages (``"blocks"`` for plain ViTs).
-        stem_pattern: regex of the stem's parameter names, for :meth:`group_matcher`.
+        stem_pattern: regex of the stem's parameter names, for :meth:`group_matcher` (groups
+            non-capturing: timm turns every captured group into a number).
         no_weight_decay_patterns: ``fnmatch`` patterns of parameter names kept out of weight
             decay (position embeddings, class tokens, relative-position tables).
         norm_intermediates: ``forward_intermediates(norm=True)`` normalises every feature
@@ -62,7 +63,7 @@ class StagedViT(nn.Module):
     """
 
     stages_attr = "stages"
-    stem_pattern = r"^(patch_embed|pos_embed|cls_token)"
+    stem_pattern = r"^(?:patch_embed|pos_embed|cls_token)"
     no_weight_decay_patterns: tuple[str, ...] = (
         "pos_embed", "*.pos_embed", "cls_token", "*.cls_token", "*relative_position_bias_table",
     )  # fmt: skip
@@ -259,7 +260,8 @@ class StagedViT(nn.Module):
         else:
             blocks = [
                 (rf"^{s}\.(\d+)\.blocks\.(\d+)", None),
-                (rf"^{s}\.(\d+)\.(downsample|cls_token|pos_embed)", (0,)),
+                # Non-capturing: timm turns every captured group into a number.
+                (rf"^{s}\.(\d+)\.(?:downsample|cls_token|pos_embed)", (0,)),
                 (r"^norm", (99999,)),
             ]
         return {"stem": self.stem_pattern, "blocks": blocks}

@@ -598,7 +598,7 @@ class LocallyShiftedViT(StagedViT):
             the fly (otherwise a mismatching input is an error).
     """
 
-    stem_pattern = r"^(patch_embed|pos_embed|local_block)"
+    stem_pattern = r"^(?:patch_embed|pos_embed|local_block)"
 
     def __init__(
         self,

@@ -50,6 +50,7 @@ class ModelConfig:
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     crop_pct: float = 0.875
+    crop_mode: str = "center"  # timm's: the eval crop is a centre crop
     interpolation: str = "bicubic"
     first_conv: str = "patch_embed.proj"
     classifier: str = "head"

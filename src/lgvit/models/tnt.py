@@ -92,7 +92,7 @@ class TNT(StagedViT):
 
     stages_attr = "blocks"
     norm_intermediates = True
-    stem_pattern = r"^(pixel_embed|norm1_proj|proj|norm2_proj|cls_token|patch_pos|pixel_pos)"
+    stem_pattern = r"^(?:pixel_embed|norm1_proj|proj|norm2_proj|cls_token|patch_pos|pixel_pos)"
     no_weight_decay_patterns = ("cls_token", "patch_pos", "pixel_pos")
 
     def __init__(

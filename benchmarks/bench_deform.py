@@ -1,0 +1,117 @@
+"""Deformable convolution at LIT-Ti's shapes: torchvision's kernel against lgvit's pure path.
+
+    python benchmarks/bench_deform.py [--batch 32] [--rounds 5]
+
+LIT-Ti merges tokens three times (deformable 2x2 stride-2 convolutions): 56x56x64 -> 128,
+28x28x128 -> 320, 14x14x320 -> 512. For each shape, precision (fp32; bf16 autocast too) and
+direction (forward without gradients; forward + backward), ``deform_conv2d`` runs with
+``use_torchvision=True`` (``torchvision.ops.deform_conv2d``) and ``False`` (one ``grid_sample``
+plus a stride-k convolution), on the tokens' channels-last map exactly as
+``DeformableTokenMerging`` hands it over, with offsets of a trained model's size (a few pixels).
+The two alternate round by round in one process; the table gives medians (ms) and pure /
+torchvision (above 1: torchvision is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from lgvit.measure import describe_machine, time_fn
+from lgvit.models.layers.deform import deform_conv2d
+from lgvit.runtime import cpu_bf16_support, tune_cpu_allocator
+
+# (map side, in channels, out channels) of LIT-Ti's three merges.
+LIT_TI_MERGES = ((56, 64, 128), (28, 128, 320), (14, 320, 512))
+
+
+def _inputs(batch: int, side: int, cin: int, cout: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randn(batch, side * side, cin, generator=g)
+    x = tokens.view(batch, side, side, cin).permute(0, 3, 1, 2)  # DTM's channels-last view
+    offset = 1.5 * torch.randn(batch, 8, side // 2, side // 2, generator=g)
+    weight = torch.randn(cout, cin, 2, 2, generator=g) / (4 * cin) ** 0.5
+    bias = torch.zeros(cout)
+    return x, offset, weight, bias
+
+
+def _step(inputs: tuple[torch.Tensor, ...], tv: bool, backward: bool, bf16: bool):  # noqa: ANN202
+    x, offset, weight, bias = (t.detach().requires_grad_(backward) for t in inputs)
+
+    def run() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.set_grad_enabled(backward):
+                y = deform_conv2d(x, offset, weight, bias, 2, 0, use_torchvision=tv)
+        if backward:
+            y.float().sum().backward()
+
+    return run
+
+
+def measure(batch: int, rounds: int, precisions: list[str]) -> list[dict]:
+    rows = []
+    for side, cin, cout in LIT_TI_MERGES:
+        inputs = _inputs(batch, side, cin, cout)
+        for prec in precisions:
+            for backward in (False, True):
+                steps = {
+                    impl: _step(inputs, impl == "torchvision", backward, prec == "bf16")
+                    for impl in ("pure", "torchvision")
+                }
+                for run in steps.values():
+                    run()  # warm-up
+                times = {impl: [] for impl in steps}
+                for _ in range(rounds):
+                    for impl, run in steps.items():  # alternate the two
+                        times[impl].append(time_fn(run, warmup=0, repeats=1))
+                ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
+                rows.append(
+                    dict(
+                        shape=f"{side}x{side}x{cin}->{cout}",
+                        precision=prec,
+                        direction="fwd+bwd" if backward else "forward",
+                        pure_ms=ms["pure"],
+                        torchvision_ms=ms["torchvision"],
+                        pure_over_tv=ms["pure"] / ms["torchvision"],
+                    )
+                )
+                r = rows[-1]
+                print(
+                    f"| {r['shape']} | {prec} | {r['direction']} | {r['pure_ms']:.1f} | "
+                    f"{r['torchvision_ms']:.1f} | {r['pure_over_tv']:.2f} |",
+                    flush=True,
+                )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--bf16", choices=("auto", "yes", "no"), default="auto",
+        help="also time bf16 autocast (auto: where the CPU has native bf16)",
+    )  # fmt: skip
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    tune_cpu_allocator()
+    native = cpu_bf16_support()
+    bf16 = args.bf16 == "yes" or (args.bf16 == "auto" and native is not None)
+    precisions = ["fp32", "bf16"] if bf16 else ["fp32"]
+    print(f"{describe_machine()}; native bf16: {native or 'none'}; batch {args.batch}, "
+          f"{args.rounds} alternating rounds (median ms)")  # fmt: skip
+    print("| merge | precision | direction | pure (ms) | torchvision (ms) | pure / torchvision |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    rows = measure(args.batch, args.rounds, precisions)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(machine=describe_machine(), native_bf16=native, rows=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
