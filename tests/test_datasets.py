@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+from lgvit.data import archives, cifar, decode
 from lgvit.data import datasets as ds
 from lgvit.data.datasets import dataset_names, load_dataset, safe_extract
 from lgvit.errors import LgvitError
@@ -202,9 +203,9 @@ def test_cifar100_fine_labels(tmp_path):
 
 def _fake_remote(archive: Path, monkeypatch, md5: str | None = None) -> None:
     """Serve ``archive`` as the CIFAR-10 download via a file:// URL (no network needed)."""
-    spec = ds._CIFAR_SPECS["cifar10"]
+    spec = cifar.CIFAR_SPECS["cifar10"]
     new = dataclasses.replace(spec, url=archive.as_uri(), md5=md5 or spec.md5)
-    monkeypatch.setitem(ds._CIFAR_SPECS, "cifar10", new)
+    monkeypatch.setitem(cifar.CIFAR_SPECS, "cifar10", new)
 
 
 def test_cifar_download_md5_mismatch_deletes_file(tmp_path, monkeypatch):
@@ -245,9 +246,9 @@ def test_cifar_corrupt_archive_in_cache_is_refused(tmp_path):
 
 
 def test_cifar_network_failure_says_data_dir(tmp_path, monkeypatch):
-    spec = ds._CIFAR_SPECS["cifar10"]
+    spec = cifar.CIFAR_SPECS["cifar10"]
     url = (tmp_path / "nowhere.tar.gz").as_uri()
-    monkeypatch.setitem(ds._CIFAR_SPECS, "cifar10", dataclasses.replace(spec, url=url))
+    monkeypatch.setitem(cifar.CIFAR_SPECS, "cifar10", dataclasses.replace(spec, url=url))
     with pytest.raises(LgvitError, match="could not download .*--data-dir"):
         load_dataset("cifar10", cache_dir=str(tmp_path / "cache"))
     assert not any((tmp_path / "cache").glob("*"))
@@ -499,8 +500,8 @@ def test_imagefolder_second_load_uses_cache(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("decoded again")
 
-    monkeypatch.setattr(ds, "_decode_image", boom)
-    monkeypatch.setattr(ds, "_decode_chunk", boom)
+    monkeypatch.setattr(decode, "_decode_image", boom)
+    monkeypatch.setattr(decode, "_decode_chunk", boom)
     d2 = _load_tree(root, tmp_path)
     assert torch.equal(d1.train.images, d2.train.images)
     assert torch.equal(d1.test.labels, d2.test.labels) and d1.train.classes == d2.train.classes
@@ -519,8 +520,8 @@ def test_imagefolder_pool_matches_in_process(tmp_path, monkeypatch):
     _add_bad_files(root / "train" / "a")
     with pytest.warns(UserWarning, match="skipped 3"):
         serial = _load_tree(root, tmp_path / "s", max_bad_fraction=0.5)
-    monkeypatch.setattr(ds, "_POOL_MIN_IMAGES", 0)
-    monkeypatch.setattr(ds, "_num_workers", lambda: 2)
+    monkeypatch.setattr(decode, "_POOL_MIN_IMAGES", 0)
+    monkeypatch.setattr(decode, "_num_workers", lambda: 2)
     with pytest.warns(UserWarning, match="skipped 3"):
         pooled = _load_tree(root, tmp_path / "p", max_bad_fraction=0.5)
     assert torch.equal(serial.train.images, pooled.train.images)
@@ -557,7 +558,7 @@ def test_imagefolder_archive_is_extracted_once(tmp_path, monkeypatch):
     def no_extract(*a, **k):
         raise AssertionError("extracted again")
 
-    monkeypatch.setattr(ds, "safe_extract", no_extract)
+    monkeypatch.setattr(archives, "safe_extract", no_extract)
     d2 = _load_tree(archive, tmp_path)
     assert torch.equal(d1.test.images, d2.test.images)
 

@@ -239,33 +239,33 @@ class _Batches:
         return iter(self.batches)
 
 
-def _epoch(monkeypatch, bad: set[int], on_device: bool, max_nonfinite: int = 5):
-    from lgvit import train as tr
+def _epoch(one_epoch, monkeypatch, bad: set[int], on_device: bool, max_nonfinite: int = 5):
+    from lgvit import engine
+    from lgvit.config import TrainConfig
 
-    monkeypatch.setattr(tr, "skips_on_device", lambda *a: on_device)
+    monkeypatch.setattr(engine, "skips_on_device", lambda *a: on_device)
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
     # A constant rate: a step skipped on the device still advances the schedule.
-    cfg = tr.TrainConfig(epochs=1, log_every=2, max_nonfinite=max_nonfinite, clip_grad=None,
-                         sched="none")  # fmt: skip
+    cfg = TrainConfig(epochs=1, log_every=2, max_nonfinite=max_nonfinite, clip_grad=None,
+                      sched="none")  # fmt: skip
     schedule = dict(total_steps=4, warmup_steps=0, cfg=cfg, base_lr=0.1)
     seen = []
     hook = lambda *a: seen.append(model.weight.detach().clone())  # noqa: E731
     opt.register_step_post_hook(hook)
-    out = tr.train_one_epoch(model, _Batches(bad), opt, None, None, cfg, tr.Dist(), None, 0,
-                             schedule, 0, lambda *a, **k: None)  # fmt: skip
+    out = one_epoch(model, _Batches(bad), opt, cfg, schedule=schedule)
     return out, seen, opt
 
 
-def test_a_nonfinite_loss_skips_the_fused_step_on_the_device(monkeypatch):
+def test_a_nonfinite_loss_skips_the_fused_step_on_the_device(one_epoch, monkeypatch):
     """The GPU path (forced here on the CPU): no host check per step; the fused AdamW step
     reads `found_inf` and leaves the weights and its state as they were."""
     import warnings
 
     with warnings.catch_warnings(record=True):
-        (loss_host, _, _), w_host, opt_host = _epoch(monkeypatch, {1}, on_device=False)
-    (loss_dev, _, _), w_dev, opt_dev = _epoch(monkeypatch, {1}, on_device=True)
+        (loss_host, _, _), w_host, opt_host = _epoch(one_epoch, monkeypatch, {1}, on_device=False)
+    (loss_dev, _, _), w_dev, opt_dev = _epoch(one_epoch, monkeypatch, {1}, on_device=True)
     assert len(w_host) == 3 and len(w_dev) == 4  # the host skips the call; the kernel skips
     torch.testing.assert_close(w_dev[1], w_dev[0], rtol=0, atol=0)  # the NaN step: no change
     # ... and the run goes on as the host-checked one does, to the same weights and loss.
@@ -275,15 +275,16 @@ def test_a_nonfinite_loss_skips_the_fused_step_on_the_device(monkeypatch):
     assert all(float(s) == 3 for s in steps)  # the skipped step is not counted by AdamW
 
 
-def test_too_many_nonfinite_losses_stop_on_the_device_path_too(monkeypatch):
-    from lgvit.train import NonFiniteLoss
+def test_too_many_nonfinite_losses_stop_on_the_device_path_too(one_epoch, monkeypatch):
+    from lgvit.engine import NonFiniteLoss
 
     with pytest.raises(NonFiniteLoss, match="2 non-finite losses by epoch 1 step 2"):
-        _epoch(monkeypatch, {0, 1}, on_device=True, max_nonfinite=1)
+        _epoch(one_epoch, monkeypatch, {0, 1}, on_device=True, max_nonfinite=1)
 
 
 def test_flip_test_time_augmentation_averages_the_mirrored_logits():
-    from lgvit.train import Dist, evaluate
+    from lgvit.evaluate import evaluate
+    from lgvit.runtime import Dist
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 5, 3))
@@ -303,7 +304,8 @@ def test_flip_test_time_augmentation_averages_the_mirrored_logits():
 
 
 def test_flip_translate_tta_averages_six_views():
-    from lgvit.train import Dist, evaluate
+    from lgvit.evaluate import evaluate
+    from lgvit.runtime import Dist
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 5, 3))

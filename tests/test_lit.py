@@ -12,7 +12,7 @@ import torch
 import lgvit
 from lgvit.measure import count_macs, count_params
 from lgvit.models.layers import DeformableTokenMerging
-from lgvit.train import param_groups
+from lgvit.optim import param_groups
 
 FIXTURE = Path(__file__).parent / "fixtures" / "lit_keys.json"
 LIT = ["lit_ti", "lit_s", "lit_m", "lit_b"]

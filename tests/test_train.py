@@ -14,7 +14,8 @@ import pytest
 from PIL import Image
 
 from lgvit.config import TrainConfig
-from lgvit.train import lr_at, param_groups, train_size_at
+from lgvit.optim import lr_at, param_groups
+from lgvit.train import train_size_at
 
 # A tiny, fast run: the micro model at 16px on 512 synthetic images.
 FAST = [
@@ -84,11 +85,9 @@ def test_progressive_resizing_schedule():
     assert [train_size_at(e, odd, 32) for e in range(4)] == [10, 14, 18, 26]
 
 
-def test_progressive_resizing_feeds_the_model_downscaled_batches():
+def test_progressive_resizing_feeds_the_model_downscaled_batches(one_epoch):
     import torch
     import torch.nn.functional as F
-
-    from lgvit.train import Dist, train_one_epoch
 
     seen = []
 
@@ -108,8 +107,7 @@ def test_progressive_resizing_feeds_the_model_downscaled_batches():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = dict(total_steps=4, warmup_steps=0, cfg=cfg, base_lr=0.1)
     for epoch in (0, 3):  # 16px, then 16 + 8 (t = 0.5 of the ramp)
-        train_one_epoch(model, [(x, y)], opt, None, None, cfg, Dist(), None, epoch, sched,
-                        epoch, lambda *a, **k: None)  # fmt: skip
+        one_epoch(model, [(x, y)], opt, cfg, epoch=epoch, schedule=sched, img_size=32)
     assert [t.shape[-1] for t in seen] == [16, 24]
     ref = F.interpolate(x, size=(16, 16), mode="bilinear", antialias=True, align_corners=False)
     torch.testing.assert_close(seen[0], ref)

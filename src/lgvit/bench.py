@@ -257,20 +257,9 @@ def run_bench(
             mult = 3 if kind == "train" else 1  # backward ~ 2x forward
             row[f"{kind}_img_s"] = img_s
             row[f"{kind}_mfu"] = mult * flops * img_s / peak
-        if not opts.memory:
-            continue
-        for kind in kinds:
-            key = "train_mem_mb" if kind == "train" else "infer_mem_mb"
-            try:
-                if device.type == "cuda":
-                    row[key] = cuda_peak_memory_mb(m.steps[kind], device)
-                else:
-                    row[key] = cpu_peak_memory_mb(
-                        m.name, opts.batch_size, kind == "train", opts.img_size, amp, opts.compile
-                    )
-            except Exception as e:  # noqa: BLE001
-                row["error"] = f"memory: {_one_line(e)}"
-        log(f"  measured memory of {m.name}")
+        if opts.memory:
+            _measure_memory(m, row, opts, amp, device)
+            log(f"  measured memory of {m.name}")
     return {
         "machine": describe_machine(device),
         "device": device.type,
@@ -280,6 +269,24 @@ def run_bench(
         "options": asdict(opts),
         "rows": [rows[n] for n in names],
     }
+
+
+def _measure_memory(
+    m: _Live, row: dict[str, Any], opts: BenchOptions, amp: torch.dtype | None,
+    device: torch.device,
+) -> None:  # fmt: skip
+    """Peak memory of each step kind into ``row`` (a failure as the row's error)."""
+    for kind in m.steps:
+        key = "train_mem_mb" if kind == "train" else "infer_mem_mb"
+        try:
+            if device.type == "cuda":
+                row[key] = cuda_peak_memory_mb(m.steps[kind], device)
+            else:
+                row[key] = cpu_peak_memory_mb(
+                    m.name, opts.batch_size, kind == "train", opts.img_size, amp, opts.compile
+                )
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"memory: {_one_line(e)}"
 
 
 # ------------------------------------------------------------------------------------ output

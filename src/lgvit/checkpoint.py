@@ -6,9 +6,8 @@ A checkpoint is two files sharing a stem::
     runs/x/last.state.pt      training state: optimizer, scheduler, scaler, EMA, epoch, RNG,
                               config, extra metadata; loads with torch.load(weights_only=True)
 
-Every file is written atomically: to ``.<name>.tmp-<pid>`` in the same directory, flushed and
-fsynced, then ``os.replace``-d onto the final name (and the directory fsynced where the OS
-allows), so a reader sees either the old file or the new one, never half of one.
+Every file is written atomically (:mod:`lgvit.atomic`: a temp file, fsynced, then
+``os.replace``-d onto the final name), so a reader sees either the old file or the new one.
 
 Keeping the *pair* consistent: ``save_checkpoint`` writes both temp files first, then replaces
 the weights, then the state. A kill between those two replaces leaves the new weights next to
@@ -24,27 +23,35 @@ One writer per stem at a time (in DDP, rank 0): a successful save deletes leftov
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import pickle
-import pickletools
 import random
 import re
-import types
 import uuid
 import warnings
-import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
 
-from lgvit.errors import LgvitError
+from lgvit.atomic import (
+    atomic_save,
+    atomic_save_safetensors,
+    atomic_write_bytes,
+    check_metadata,
+    fsync_dir,
+    safetensors_ready,
+    temp_path,
+    write_temp,
+    writing_to,
+)
+from lgvit.errors import LgvitError, first_line
+from lgvit.safe_pickle import Inert, refused_pickle_error, torch_load_data_only
 
 __all__ = [
     "PAIR_ID_KEY",
@@ -73,99 +80,6 @@ _STATE_FORMAT_KEY = "lgvit_state_format"
 _STATE_FORMAT = 1
 
 
-# --------------------------------------------------------------------------- atomic writes
-
-
-def _temp_path(path: Path) -> Path:
-    # Same directory as the target: os.replace is only atomic within one filesystem.
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def _fsync_file(path: Path) -> None:
-    # Reopened read-write: Windows' fsync needs a writable handle; save_file gives us none.
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; not possible on Windows (cannot open a directory).
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _write_temp(path: Path, write: Callable[[Path], None]) -> Path:
-    """Run ``write(tmp)``, fsync ``tmp`` and return it; remove it if anything fails."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_path(path)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # as open() would make it (some writers use 0600)
-        _fsync_file(tmp)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    return tmp
-
-
-def _write_with_handle(fn: Callable[[IO[bytes]], None]) -> Callable[[Path], None]:
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            fn(f)
-            f.flush()
-
-    return write
-
-
-def _commit(tmp: Path, path: Path) -> None:
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file, fsync, ``os.replace``)."""
-    path = Path(path)
-    _commit(_write_temp(path, _write_with_handle(lambda f: f.write(data))), path)
-
-
-def atomic_save(obj: Any, path: str | Path) -> None:
-    """``torch.save(obj, path)``, atomically."""
-    path = Path(path)
-    _commit(_write_temp(path, _write_with_handle(lambda f: torch.save(obj, f))), path)
-
-
-def atomic_save_safetensors(
-    tensors: Mapping[str, Tensor], path: str | Path, metadata: Mapping[str, str] | None = None
-) -> None:
-    """``safetensors.torch.save_file``, atomically; tensors are made savable first."""
-    path = Path(path)
-    tensors = _safetensors_ready(tensors)
-    meta = _check_metadata(metadata)
-    _commit(_write_temp(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta)), path)
-
-
 # --------------------------------------------------------------------------- state dicts
 
 
@@ -189,35 +103,6 @@ def clean_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
         out = {k[len("module.") :]: v for k, v in out.items()}
         out = {_ORIG_MOD_RE.sub(r"\1", k): v for k, v in out.items()}
     return out
-
-
-def _safetensors_ready(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    # safetensors refuses non-contiguous tensors and tensors sharing storage (tied weights,
-    # views); a contiguous copy of the second and later users of a storage fixes both.
-    out: dict[str, Tensor] = {}
-    seen: set[tuple[str, int]] = set()
-    for k, v in tensors.items():
-        if not isinstance(k, str) or not isinstance(v, Tensor):
-            raise TypeError(f"weights[{k!r}]: expected a str key and a Tensor, got {type(v)}")
-        t = v.detach().cpu()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        storage = (t.device.type, t.untyped_storage().data_ptr())
-        if storage in seen and t.numel() > 0:
-            t = t.clone()
-            storage = (t.device.type, t.untyped_storage().data_ptr())
-        seen.add(storage)
-        out[k] = t
-    return out
-
-
-def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str] | None:
-    if metadata is None:
-        return None
-    for k, v in metadata.items():
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise TypeError(f"safetensors metadata must map str to str; got {k!r}: {v!r}")
-    return dict(metadata)
 
 
 # What torch.load(weights_only=True) accepts besides tensors; checked at save time so a bad
@@ -296,7 +181,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         if py is not None:
             random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
-        raise LgvitError(f"rng state: cannot restore ({_first_line(e)})") from None
+        raise LgvitError(f"rng state: cannot restore ({_reason(e)})") from None
 
 
 def build_train_state(
@@ -368,10 +253,10 @@ def save_checkpoint(
     """
     weights_path, state_path = checkpoint_paths(stem)
     pair_id = uuid.uuid4().hex
-    meta = dict(_check_metadata(metadata) or {})
+    meta = dict(check_metadata(metadata) or {})
     meta[PAIR_ID_KEY] = pair_id
     meta.setdefault("format", "pt")  # the safetensors convention other tools look for
-    tensors = _safetensors_ready(model_state)
+    tensors = safetensors_ready(model_state)
 
     state_obj = None
     if train_state is not None:
@@ -384,19 +269,17 @@ def save_checkpoint(
     temps: list[Path] = []
     try:
         temps.append(
-            _write_temp(weights_path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+            write_temp(weights_path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
         )
         if state_obj is not None:
-            temps.append(
-                _write_temp(state_path, _write_with_handle(lambda f: torch.save(state_obj, f)))
-            )
+            temps.append(write_temp(state_path, writing_to(lambda f: torch.save(state_obj, f))))
         os.replace(temps[0], weights_path)
         # From here on the state temp file is the only state matching the weights on disk: if
         # the next replace fails (or we are killed), keep it, so load_checkpoint_pair can roll
         # forward to it instead of rejecting the pair.
         temps = []
         if state_obj is not None:
-            os.replace(_temp_path(state_path), state_path)
+            os.replace(temp_path(state_path), state_path)
     except BaseException:
         for tmp in temps:
             with contextlib.suppress(OSError):
@@ -405,7 +288,7 @@ def save_checkpoint(
     if state_obj is None:
         with contextlib.suppress(FileNotFoundError):
             state_path.unlink()
-    _fsync_dir(weights_path.parent)
+    fsync_dir(weights_path.parent)
     # Temp files left by earlier killed saves (other pids) are obsolete now that a full pair
     # is in place.
     for path in (weights_path, state_path):
@@ -422,10 +305,9 @@ def _glob_escape(name: str) -> str:
 # --------------------------------------------------------------------------- loading
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    line = text.splitlines()[0] if text else type(e).__name__
-    line = re.split(r"(?<=\.)\s", line)[0]  # torch appends paragraphs of advice
+def _reason(e: BaseException) -> str:
+    """A library error as a short clause: its first line, first sentence, 200 characters."""
+    line = re.split(r"(?<=\.)\s", first_line(e))[0]  # torch appends paragraphs of advice
     return line if len(line) <= 200 else line[:197] + "..."
 
 
@@ -446,7 +328,7 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
         raise LgvitError(
-            f"{path}: not a valid safetensors file, corrupt or truncated ({_first_line(e)})"
+            f"{path}: not a valid safetensors file, corrupt or truncated ({_reason(e)})"
         ) from None
     return tensors, meta
 
@@ -454,132 +336,6 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
 def load_metadata(path: str | Path) -> dict[str, str]:
     """The string metadata stored in a checkpoint's safetensors header."""
     return _read_safetensors(_resolve_weights_path(Path(path)))[1]
-
-
-_GLOBAL_RE = re.compile(r"GLOBAL (\S+)")
-# A dotted Python name; keeps text that merely starts with a pickle opcode byte (a YAML file
-# beginning with "c") from being reported as code.
-_DOTTED_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
-
-
-def _allowed_globals() -> set[str]:
-    try:  # private, but it is exactly the allowlist weights_only uses
-        from torch._weights_only_unpickler import _get_allowed_globals
-
-        allowed = set(_get_allowed_globals())
-    except Exception:
-        allowed = set()
-    with contextlib.suppress(Exception):
-        for g in torch.serialization.get_safe_globals():
-            obj = g[0] if isinstance(g, tuple) else g
-            allowed.add(f"{obj.__module__}.{obj.__qualname__}")
-    return allowed
-
-
-def _pickle_globals(path: Path) -> list[str]:
-    """Globals a pickle (plain, or the data.pkl in a torch zip) would import; never executes it.
-
-    Best effort: reads opcodes with pickletools and tracks the strings STACK_GLOBAL consumes.
-    """
-    try:
-        if zipfile.is_zipfile(path):
-            with zipfile.ZipFile(path) as zf:
-                name = next(n for n in zf.namelist() if n.endswith("data.pkl"))
-                data = zf.read(name)
-        else:
-            data = path.read_bytes()
-    except Exception:
-        return []
-    found: list[str] = []
-    strings: list[Any] = []
-    memo: dict[Any, Any] = {}
-    last: Any = None
-    try:
-        for op, arg, _ in pickletools.genops(io.BytesIO(data)):
-            name = op.name
-            if "UNICODE" in name or name.endswith("STRING"):
-                last = arg
-                strings.append(arg)
-            elif name == "MEMOIZE":
-                memo[len(memo)] = last
-            elif name.endswith("PUT"):
-                memo[arg] = last
-            elif name.endswith("GET"):
-                last = memo.get(arg)
-                strings.append(last)
-            elif name == "GLOBAL":
-                found.append(str(arg).replace(" ", "."))
-            elif name == "STACK_GLOBAL" and len(strings) >= 2:
-                found.append(f"{strings[-2]}.{strings[-1]}")
-            else:
-                last = None
-    except Exception:
-        pass  # a truncated pickle still reveals the globals read so far
-    return [g for g in found if _DOTTED_RE.fullmatch(g)]
-
-
-def _unpickling_error(path: Path, e: BaseException) -> LgvitError:
-    allowed = _allowed_globals()
-    names = [g for g in _pickle_globals(path) if g not in allowed]
-    m = _GLOBAL_RE.search(str(e))
-    if m and m.group(1) not in names and _DOTTED_RE.fullmatch(m.group(1)):
-        names.insert(0, m.group(1))
-    if names:
-        shown = ", ".join(dict.fromkeys(names[:3]))
-        return LgvitError(
-            f"{path}: refusing to load: the file is a pickle that would import/run code "
-            f"({shown}); lgvit loads checkpoints with weights_only=True"
-        )
-    op = re.search(r"Unsupported operand \d+", str(e))
-    detail = op.group(0) if op else "unreadable pickle data"
-    return LgvitError(f"{path}: not a PyTorch checkpoint, or corrupt ({detail})")
-
-
-class _Inert:
-    """Stands in for a class or function a checkpoint names that is not plain data (a training
-    script's config object, ``argparse.Namespace``, ...): built from the pickle's arguments
-    without running anything, so the file's tensors can still be read."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __setitem__(self, key: Any, value: Any) -> None:  # dict subclasses (yacs CfgNode)
-        pass
-
-    def append(self, item: Any) -> None:  # list subclasses
-        pass
-
-    def extend(self, items: Any) -> None:
-        pass
-
-
-class _DataOnlyUnpickler(pickle.Unpickler):
-    """Torch's weights_only allowlist for what it names; an inert placeholder for the rest."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if f"{module}.{name}" in _allowed_globals():
-            return super().find_class(module, name)
-        return type(name, (_Inert,), {"__module__": "lgvit.checkpoint.inert"})
-
-
-_DATA_ONLY_PICKLE = types.SimpleNamespace(
-    Unpickler=_DataOnlyUnpickler,
-    load=lambda f, **kw: _DataOnlyUnpickler(f, **kw).load(),
-    __name__="lgvit_data_only_pickle",
-)
-
-
-def _torch_load_data_only(path: Path) -> Any:
-    """The file's plain data and tensors, any other object replaced by an inert placeholder
-    (never imported, never called). For weights inside a training script's checkpoint."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.load(
-            path, map_location="cpu", weights_only=False, pickle_module=_DATA_ONLY_PICKLE
-        )
 
 
 def _torch_load(path: Path) -> Any:
@@ -590,10 +346,10 @@ def _torch_load(path: Path) -> Any:
             warnings.simplefilter("ignore", UserWarning)
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise _unpickling_error(path, e) from None
+        raise refused_pickle_error(path, e) from None
     except Exception as e:
         raise LgvitError(
-            f"{path}: not a valid PyTorch checkpoint, corrupt or truncated ({_first_line(e)})"
+            f"{path}: not a valid PyTorch checkpoint, corrupt or truncated ({_reason(e)})"
         ) from None
 
 
@@ -663,12 +419,12 @@ def load_weights(path: str | Path) -> dict[str, Tensor]:
             if "refusing to load" not in str(refused):
                 raise
             try:
-                obj = _torch_load_data_only(resolved)
+                obj = torch_load_data_only(resolved)
                 tensors = _as_state_dict(obj, resolved)
             except Exception:
                 raise refused from None
             skipped = sorted(
-                {k for k, v in obj.items() if isinstance(v, _Inert)} if isinstance(obj, Mapping)
+                {k for k, v in obj.items() if isinstance(v, Inert)} if isinstance(obj, Mapping)
                 else set()
             )  # fmt: skip
             warnings.warn(
@@ -747,6 +503,30 @@ def _roll_forward(state_path: Path, pair_id: str, repair: bool = False) -> dict[
             )
             if repair:
                 os.replace(tmp, state_path)
-                _fsync_dir(state_path.parent)
+                fsync_dir(state_path.parent)
             return state
     return None
+
+
+def load_initial_weights(model: nn.Module, path: str) -> str:
+    """Fine-tuning start: weights only from ``path`` (an lgvit checkpoint, ``.safetensors`` or
+    ``.pth``); a classifier of another class count is dropped (the new head stays freshly
+    initialised), position embeddings of another grid are resized by the model's load hooks.
+    Anything else that does not fit is a one-line error. Returns a line for the log."""
+    sd = load_weights(path)
+    if hasattr(model, "checkpoint_filter_fn"):
+        sd = model.checkpoint_filter_fn(sd)
+    own = model.state_dict()
+    head = getattr(model, "pretrained_cfg", {}).get("classifier", "head")
+    dropped = [
+        k for k in sd if k.startswith(head + ".") and k in own and sd[k].shape != own[k].shape
+    ]
+    for k in dropped:
+        del sd[k]
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if k not in dropped]
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise LgvitError(f"--initial-checkpoint {path} does not fit {model.model_name}: {what}")
+    note = f" (its {head} for another class count dropped)" if dropped else ""
+    return f"started from the weights of {path}{note}"

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lgvit.config import TTA_MODES
+from lgvit.config import DATASETS, TTA_MODES
+from lgvit.constants import IMAGE_EXTENSIONS
 from lgvit.errors import LgvitError
 
 
@@ -103,7 +104,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from lgvit.config import load_config
+    from lgvit.config import load_config_with_explicit
     from lgvit.train import train
 
     cli = {
@@ -120,14 +121,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             sets.insert(0, f"{key}=null")
         elif value is not None:
             cli[key] = value
-    cfg = load_config(args.config, sets, **cli)
     # What this invocation set explicitly: on --resume it overrides the run's saved config.
-    explicit = {k for k, v in cli.items() if v is not None}
-    explicit |= {item.split("=", 1)[0].strip() for item in sets}
-    if args.config:
-        import yaml
-
-        explicit |= set(yaml.safe_load(Path(args.config).read_text()) or {})
+    cfg, explicit = load_config_with_explicit(args.config, sets, **cli)
     metrics = train(cfg, explicit)
     if metrics.get("test_acc1") is not None and int(os.environ.get("RANK", "0")) == 0:
         print(f"final test top-1: {metrics['test_acc1']:.2f}%")
@@ -179,9 +174,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from lgvit.data.datasets import load_dataset
     from lgvit.data.loader import AugmentConfig
     from lgvit.data.stream import make_loader
+    from lgvit.evaluate import evaluate
     from lgvit.inference import load_model
-    from lgvit.runtime import resolve_amp
-    from lgvit.train import Dist, evaluate
+    from lgvit.runtime import Dist, resolve_amp
 
     model = load_model(args.checkpoint, args.device, args.model, args.img_size)
     device = next(model.parameters()).device
@@ -219,18 +214,17 @@ def _preview(names: Sequence[str], n: int = 3) -> str:
     return "[" + ", ".join(list(names)[:n]) + (", ...]" if len(names) > n else "]")
 
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm")
-
-
 def _expand_images(paths: Sequence[str]) -> list[str]:
     """Files as given; a directory stands for the images in it (sorted, not recursive)."""
     out: list[str] = []
     for p in paths:
         if Path(p).is_dir():
-            found = sorted(str(f) for f in Path(p).iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+            found = sorted(
+                str(f) for f in Path(p).iterdir() if f.suffix.lower() in IMAGE_EXTENSIONS
+            )
             if not found:
                 raise LgvitError(
-                    f"{p}: a directory with no image files ({', '.join(IMAGE_SUFFIXES)})"
+                    f"{p}: a directory with no image files ({', '.join(IMAGE_EXTENSIONS)})"
                 )
             out += found
         else:
@@ -389,7 +383,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_export)
 
-    datasets = ["cifar10", "cifar100", "imagefolder", "digits", "synthetic"]
     from lgvit.config import config_help
 
     keys = "\n".join(f"  {k:20s} {d:24s} {m}" for k, d, m in config_help())
@@ -401,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"< --set):\n  {'key':20s} {'default':24s} meaning\n{keys}",
     )
     p.add_argument("--model", help="registered model name (default: lsa_micro_cifar)")
-    p.add_argument("--data", choices=datasets)
+    p.add_argument("--data", choices=DATASETS)
     p.add_argument("--data-dir", help="dataset archive or folder (no download needed)")
     p.add_argument("--img-size", type=int)
     p.add_argument("--epochs", type=int)
@@ -423,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="top-1/top-5/loss/per-class accuracy of a checkpoint")
     p.add_argument("--model", help="default: the name stored in the checkpoint")
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--data", required=True, choices=datasets)
+    p.add_argument("--data", required=True, choices=DATASETS)
     p.add_argument("--data-dir")
     p.add_argument("--cache-dir")
     p.add_argument("--img-size", type=int, help="default: the size it was trained at")

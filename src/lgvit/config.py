@@ -23,8 +23,10 @@ from typing import Any
 
 import yaml
 
-from lgvit.checkpoint import atomic_write_bytes
-from lgvit.errors import LgvitError
+from lgvit.atomic import atomic_write_bytes
+from lgvit.constants import CROP_PCT
+from lgvit.data.datasets import DATASETS
+from lgvit.errors import LgvitError, first_line
 
 __all__ = [
     "AMP_MODES",
@@ -34,12 +36,12 @@ __all__ = [
     "config_keys",
     "config_to_dict",
     "load_config",
+    "load_config_with_explicit",
     "save_config",
     "scaled_lr",
     "validate_config",
 ]
 
-DATASETS = ("cifar10", "cifar100", "imagefolder", "digits", "synthetic")
 AMP_MODES = ("auto", "bf16", "fp16", "none")
 TRAIN_CROPS = ("random_crop", "random_resized_crop", "none")
 RE_MODES = ("pixel", "rand", "const")  # random erasing fill, as in timm
@@ -96,7 +98,7 @@ class TrainConfig:
     reprob: float = 0.25  # random erasing probability
     remode: str = "pixel"  # random erasing fill: pixel | rand | const
     repeated_aug: int = 1  # repeated augmentation count (DeiT RASampler; 1: off)
-    crop_pct: float = 0.875  # eval: resize to size / crop_pct, then centre crop
+    crop_pct: float = CROP_PCT  # eval: resize to size / crop_pct, then centre crop
     # progressive resizing: early epochs train on downscaled batches, then the full size
     train_size_start: int | None = None  # training input size of the first epochs (None: off)
     train_size_ramp: tuple[float, float] = (0.25, 0.75)  # run fractions: grows to img_size
@@ -290,7 +292,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        problem = getattr(e, "problem", None) or first_line(e)
         raise LgvitError(f"{path}: invalid YAML{where}: {problem}") from None
     except UnicodeDecodeError:
         raise LgvitError(f"{path}: not a text file (UTF-8)") from None
@@ -314,6 +316,14 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 def load_config(path: str | Path | None, overrides: Iterable[str] = (), **cli: Any) -> TrainConfig:
     """Defaults, then the YAML file at ``path``, then ``cli`` keywords that are not None, then
     ``--set key=value`` ``overrides`` (last wins). The result is validated."""
+    return load_config_with_explicit(path, overrides, **cli)[0]
+
+
+def load_config_with_explicit(
+    path: str | Path | None, overrides: Iterable[str] = (), **cli: Any
+) -> tuple[TrainConfig, set[str]]:
+    """:func:`load_config`, plus the keys set explicitly (by the YAML file, a ``cli`` keyword
+    that is not None, or an override): on ``--resume`` those override the run's saved config."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     if path is not None:
@@ -341,7 +351,7 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (), **cli: A
         _set_value(values, sources, key, value, "--set", f"--set {key}={text}", raw=text)
     cfg = TrainConfig(**values)
     validate_config(cfg, sources)
-    return cfg
+    return cfg, set(sources)
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "config") -> TrainConfig:

@@ -3,3 +3,24 @@
 
 class LgvitError(Exception):
     """A problem with the user's input (a file, a key, a shape), not a bug in lgvit."""
+
+
+def error_lines(e: BaseException) -> list[str]:
+    """The non-blank lines of ``str(e)``, stripped."""
+    return [line.strip() for line in str(e).splitlines() if line.strip()]
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, or its type name when the message is blank.
+
+    Library errors often run to paragraphs; quoting one line keeps our own errors one line.
+    """
+    lines = error_lines(e)
+    return lines[0] if lines else type(e).__name__
+
+
+def last_line(e: BaseException) -> str:
+    """The last line of ``e``'s message (where a chained OS error says what failed), or its
+    type name when the message is blank."""
+    lines = error_lines(e)
+    return lines[-1] if lines else type(e).__name__

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lgvit.errors import LgvitError
+from lgvit.errors import LgvitError, error_lines
 
 FORMATS = ("onnx", "pt2", "hf")
 TOLERANCE = 1e-4  # max abs logit difference accepted by --check (fp32 reorderings: ~1e-6)
@@ -122,8 +122,10 @@ def _native_stderr_hidden():
         os.close(devnull)
 
 
-def _first_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and ln.strip()[0] != "-"]
+def _useful_line(e: BaseException) -> str:
+    """The line of an exporter's error that says what failed (they run to pages: suggested
+    fixes, "- " bullet lists), else its first line; at most 240 characters."""
+    lines = [ln for ln in error_lines(e) if not ln.startswith("-")]
     keys = ("Constraints violated", "Cannot", "Error:", "not supported", "unhashable")
     useful = [ln for ln in lines if any(k in ln for k in keys)]
     return (useful or lines or [type(e).__name__])[0][:240]
@@ -176,7 +178,7 @@ def write(
         raise
     except Exception as e:  # noqa: BLE001 -- an exporter failure is one line naming the model
         what = "with a dynamic height/width" if dynamic_size else f"to {fmt}"
-        raise LgvitError(f"{name} cannot be exported {what}: {_first_line(e)}") from None
+        raise LgvitError(f"{name} cannot be exported {what}: {_useful_line(e)}") from None
     run = _runner(model, fmt, out)
     if dynamic_size:  # the exporters may keep the size symbolic yet fix the token grid
         probe = torch.randn(1, size[0], 2 * size[1], 2 * size[2])
@@ -187,7 +189,7 @@ def write(
             out.unlink(missing_ok=True)
             raise LgvitError(
                 f"{name} cannot be exported with a dynamic height/width: the exported graph "
-                f"fixes its token grid ({_first_line(e)})"
+                f"fixes its token grid ({_useful_line(e)})"
             ) from None
     return run
 
@@ -284,7 +286,7 @@ def export(
     try:
         rows = check(model, run, batches)
     except Exception as e:  # noqa: BLE001 -- e.g. the exported file refusing a shape
-        raise LgvitError(f"{path}: the exported model failed to run: {_first_line(e)}") from None
+        raise LgvitError(f"{path}: the exported model failed to run: {_useful_line(e)}") from None
     report["checks"] = rows
     for r in rows:
         log(

@@ -71,7 +71,7 @@ def preprocess_images(model: nn.Module, paths: Sequence[str]) -> torch.Tensor:
     """Image files -> the normalised ``(N, C, H, W)`` batch ``model`` expects: resize and
     centre crop by its ``crop_pct``, its mean/std (those it was trained with, for a model
     from a checkpoint). An unreadable file is an :class:`LgvitError` naming it."""
-    from lgvit.data.datasets import read_image_rgb
+    from lgvit.data.decode import read_image_rgb
     from lgvit.data.transforms import normalize, resize_center_crop
 
     cfg = model.pretrained_cfg

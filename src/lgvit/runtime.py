@@ -1,4 +1,5 @@
-"""Process-level settings: the CPU allocator, and the precision a device runs fast."""
+"""The process: distributed set-up and seeding, the CPU allocator, and the precision a device
+runs fast. Shared by training, evaluation and benchmarks."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from lgvit.errors import LgvitError
 
@@ -146,3 +149,56 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
+
+
+# --------------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device_name: str = "auto") -> Dist:
+    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: gloo on CPU, nccl on CUDA. ``device_name``:
+    ``auto`` (CUDA when there is one), ``cpu`` or ``cuda`` (each process its local GPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() if device_name == "auto" else device_name == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise LgvitError("--device cuda: no CUDA device is available here (use --device cpu)")
+    device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    return Dist(rank, world, local, device)
+
+
+def barrier(d: Dist) -> None:
+    if d.world_size > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.world_size > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -8,17 +8,19 @@ multi-process runs see the same data as a torch ``DataLoader`` setup would.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from lgvit.config import RE_MODES, TRAIN_CROPS, TrainConfig
+from lgvit.constants import IMAGENET_MEAN, IMAGENET_STD
 from lgvit.data.transforms import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     mean_to_fill,
     mixup_cutmix,
     normalize,
@@ -33,7 +35,12 @@ from lgvit.errors import LgvitError
 
 __all__ = ["AugmentConfig", "BatchLoader", "parse_rand_augment"]
 
-_TRAIN_CROPS = ("random_crop", "random_resized_crop", "none")
+_TRAIN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+
+def _recipe(key: str) -> Any:
+    """TrainConfig's default for ``key``: the DeiT recipe is declared once, there."""
+    return _TRAIN_DEFAULTS[key]
 
 
 @dataclass
@@ -47,21 +54,21 @@ class AugmentConfig:
 
     img_size: int = 32
     # 'random_crop' (pad + crop + flip, CIFAR), 'random_resized_crop' (ImageNet) or 'none'.
-    train_crop: str = "random_crop"
-    crop_padding: int = 4
-    hflip: bool = True
+    train_crop: str = _recipe("train_crop")
+    crop_padding: int = _recipe("crop_padding")
+    hflip: bool = _recipe("hflip")
     # airbench's alternating flip (with hflip): each image is mirrored in every other epoch.
-    alternate_flip: bool = False
+    alternate_flip: bool = _recipe("alternate_flip")
     # timm-style RandAugment spec parsed by parse_rand_augment(); None or '' disables it.
-    rand_augment: str | None = "rand-m9-mstd0.5-inc1"
-    mixup: float = 0.8
-    cutmix: float = 1.0
-    mixup_switch_prob: float = 0.5
-    mixup_prob: float = 1.0
-    label_smoothing: float = 0.1
-    reprob: float = 0.25
-    remode: str = "pixel"
-    crop_pct: float = 0.875
+    rand_augment: str | None = _recipe("rand_augment")
+    mixup: float = _recipe("mixup")
+    cutmix: float = _recipe("cutmix")
+    mixup_switch_prob: float = _recipe("mixup_switch_prob")
+    mixup_prob: float = _recipe("mixup_prob")
+    label_smoothing: float = _recipe("label_smoothing")
+    reprob: float = _recipe("reprob")
+    remode: str = _recipe("remode")
+    crop_pct: float = _recipe("crop_pct")
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
     rrc_scale: tuple[float, float] = (0.08, 1.0)
@@ -70,9 +77,9 @@ class AugmentConfig:
     recount: int = 1
 
     def __post_init__(self) -> None:
-        if self.train_crop not in _TRAIN_CROPS:
-            raise LgvitError(f"train_crop must be one of {_TRAIN_CROPS}, got {self.train_crop!r}")
-        if self.remode not in ("pixel", "rand", "const"):
+        if self.train_crop not in TRAIN_CROPS:
+            raise LgvitError(f"train_crop must be one of {TRAIN_CROPS}, got {self.train_crop!r}")
+        if self.remode not in RE_MODES:
             raise LgvitError(f"remode must be 'pixel', 'rand' or 'const', got {self.remode!r}")
         if self.mixup_mode not in ("batch", "elem"):
             raise LgvitError(f"mixup_mode must be 'batch' or 'elem', got {self.mixup_mode!r}")
@@ -353,21 +360,28 @@ class BatchLoader:
         if a.reprob > 0:
             x = random_erasing(x, gen, prob=a.reprob, mode=a.remode, max_count=a.recount)
         if self._mix:
-            return mixup_cutmix(
-                x,
-                y,
-                self.num_classes,
-                gen,
-                mixup_alpha=a.mixup,
-                cutmix_alpha=a.cutmix,
-                switch_prob=a.mixup_switch_prob,
-                prob=a.mixup_prob,
-                label_smoothing=a.label_smoothing,
-                mode=a.mixup_mode,
-            )
+            return self._mix_batch(x, y, gen)
         if self._soft:
             return x, one_hot_smooth(y, self.num_classes, a.label_smoothing)
         return x, y
+
+    def _mix_batch(
+        self, x: torch.Tensor, y: torch.Tensor, gen: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mixup/cutmix of a normalised batch, with soft (smoothed) targets."""
+        a = self.aug
+        return mixup_cutmix(
+            x,
+            y,
+            self.num_classes,
+            gen,
+            mixup_alpha=a.mixup,
+            cutmix_alpha=a.cutmix,
+            switch_prob=a.mixup_switch_prob,
+            prob=a.mixup_prob,
+            label_smoothing=a.label_smoothing,
+            mode=a.mixup_mode,
+        )
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         idx_all = self.indices()

@@ -1,8 +1,8 @@
 """Large image folders (ImageNet) stream from their files through DataLoader workers.
 
-Small datasets are decoded once into a uint8 cache (``datasets.py``); a folder whose decoded cache
-would be too large is read as it is iterated instead: workers decode each batch's files, crop them
-(train: RandomResizedCrop, bicubic, torchvision's sampling; eval: resize to size/crop_pct and
+Small datasets are decoded once into a uint8 cache (``imagefolder.py``); a folder whose decoded
+cache would be too large is read as it is iterated instead: workers decode each batch's files, crop
+them (train: RandomResizedCrop, bicubic, torchvision's sampling; eval: resize to size/crop_pct and
 center crop) and hand back uint8 batches, on which the main process runs the same batched recipe
 as :class:`BatchLoader` (flip, RandAugment, normalisation, erasing, mixup/cutmix). Sharding,
 seeding and batch counts are BatchLoader's, so runs stay reproducible and resumable.
@@ -21,8 +21,9 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from lgvit.data.datasets import FileImageSet, ImageSet, _resize_center_crop, _to_rgb
+from lgvit.data.decode import pil_resize_center_crop, to_rgb
 from lgvit.data.loader import BatchLoader, _seed
+from lgvit.data.splits import FileImageSet, ImageSet
 from lgvit.data.transforms import normalize
 from lgvit.errors import LgvitError
 
@@ -84,14 +85,14 @@ class _DecodeBatches(Dataset):
             try:
                 with Image.open(self.paths[idx]) as img:
                     img.load()
-                    rgb = _to_rgb(img)
+                    rgb = to_rgb(img)
             except Exception:  # unreadable file: masked out and counted by the loader
                 continue
             if self.train:
                 box = random_resized_box(*rgb.size, self.scale, self.ratio, rng)
                 rgb = rgb.resize((s, s), Image.Resampling.BICUBIC, box=box)
             else:
-                rgb = _resize_center_crop(rgb, round(s / self.crop_pct))
+                rgb = pil_resize_center_crop(rgb, round(s / self.crop_pct))
                 off = (rgb.size[0] - s) // 2
                 rgb = rgb.crop((off, off, off + s, off + s))
             out[j] = np.asarray(rgb, dtype=np.uint8)

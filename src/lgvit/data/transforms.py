@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 
+from lgvit.constants import CROP_PCT, IMAGENET_MEAN, IMAGENET_STD
 from lgvit.errors import LgvitError
 
 __all__ = [
@@ -56,9 +57,6 @@ __all__ = [
     "translate_x",
     "translate_y",
 ]
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 # timm's magnitude scale: levels run 0..10.
 _LEVEL_DENOM = 10.0
@@ -294,7 +292,7 @@ def _resize(x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
     return TF.resize(x, list(hw), interpolation=TF.InterpolationMode.BICUBIC, antialias=True)
 
 
-def resize_center_crop(x: torch.Tensor, size: int, crop_pct: float = 0.875) -> torch.Tensor:
+def resize_center_crop(x: torch.Tensor, size: int, crop_pct: float = CROP_PCT) -> torch.Tensor:
     """Eval transform: resize the shorter side to ``floor(size / crop_pct)`` (bicubic), then
     centre-crop ``size`` (timm's eval recipe), uint8 in and out.
 

@@ -77,18 +77,18 @@ class StagedViT(nn.Module):
     feature_info: FeatureInfo
     pretrained_cfg: dict[str, Any]
 
-    # -- sharing: the Hugging Face hub layout (lgvit.hub) ----------------------------------
+    # -- sharing: the Hugging Face hub layout (lgvit.models.hub) ----------------------------------
 
     def save_pretrained(self, directory: str) -> Any:
         """Write ``config.json`` + ``model.safetensors`` (timm's hub layout) into ``directory``;
         ``create_model("local-dir:DIR")`` loads it back."""
-        from lgvit.hub import save_pretrained
+        from lgvit.models.hub import save_pretrained
 
         return save_pretrained(self, directory)
 
     def push_to_hub(self, repo_id: str, private: bool = False) -> str:
         """Upload in the hub layout (needs ``huggingface_hub`` and the network)."""
-        from lgvit.hub import push_to_hub
+        from lgvit.models.hub import push_to_hub
 
         return push_to_hub(self, repo_id, private=private)
 

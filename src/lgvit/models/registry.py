@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lgvit.errors import LgvitError
+from lgvit.constants import CIFAR10_MEAN, CIFAR10_STD, CROP_PCT, IMAGENET_MEAN, IMAGENET_STD
+from lgvit.errors import LgvitError, error_lines, first_line
 
 # Where a paper's throughput and memory figures were measured (`lgvit bench` names it beside
 # them). The LSA paper gives img/s on a GPU it does not name; the LocalViT paper gives none.
@@ -32,10 +33,7 @@ def lit_paper_speed(img_s: float, train_mem_mb: float, test_mem_mb: float) -> di
     )
 
 
-CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR_STD = (0.2471, 0.2435, 0.2616)
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+CIFAR_MEAN, CIFAR_STD = CIFAR10_MEAN, CIFAR10_STD  # the names the families import
 
 
 @dataclass(frozen=True)
@@ -49,7 +47,7 @@ class ModelConfig:
     num_classes: int = 1000
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
-    crop_pct: float = 0.875
+    crop_pct: float = CROP_PCT
     crop_mode: str = "center"  # timm's: the eval crop is a centre crop
     interpolation: str = "bicubic"
     first_conv: str = "patch_embed.proj"
@@ -164,13 +162,9 @@ def create_model(
     ``hf-hub:ORG/NAME`` (the same layout on the Hugging Face hub; needs ``huggingface_hub``).
     """
     if name.startswith(("local-dir:", "hf-hub:")):
-        from lgvit import hub
-
-        kind, _, where = name.partition(":")
         if num_classes is not None:
             overrides["num_classes"] = num_classes
-        load = hub.create_from_dir if kind == "local-dir" else hub.create_from_hub
-        model = load(where, **overrides)
+        model = _create_from_folder(name, **overrides)
         return FeatureMaps(model, out_indices) if features_only else model
     _check_name(name)
     cfg = _CONFIGS[name]
@@ -209,6 +203,25 @@ def create_model(
     return model
 
 
+def _create_from_folder(name: str, **overrides: Any) -> nn.Module:
+    """``local-dir:DIR`` / ``hf-hub:ORG/NAME``: the architecture the folder's config names,
+    its arguments, weights, preprocessing and class names."""
+    from lgvit.models import hub
+
+    kind, _, where = name.partition(":")
+    folder = where if kind == "local-dir" else hub.download(where)
+    config = hub.read_config(folder)
+    arch = config["architecture"]
+    if not is_model(arch):
+        raise LgvitError(f"{folder}/{hub.CONFIG_NAME}: unknown architecture {arch!r}")
+    weights = hub.weights_file(folder)
+    args = {**config.get("model_args", {}), **overrides}
+    args.setdefault("num_classes", config.get("num_classes"))
+    model = create_model(arch, checkpoint_path=str(weights), **args)
+    hub.apply_saved_cfg(model, config, str(folder))
+    return model
+
+
 def _load_checkpoint(
     model: nn.Module,
     weights: dict[str, torch.Tensor],
@@ -231,8 +244,7 @@ def _load_checkpoint(
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:
-        lines = [ln.strip() for ln in str(e).strip().splitlines()]
-        detail = next((ln for ln in lines[1:] if ln), lines[0])
+        detail = (error_lines(e)[1:] or [first_line(e)])[0]
         raise LgvitError(f"{path} does not fit model {name}: {detail}") from None
 
 

@@ -7,7 +7,9 @@
 - ``create_model("hf-hub:ORG/NAME")`` and ``push_to_hub(model, "ORG/NAME")`` do the same through
   ``huggingface_hub`` when it is installed and the hub can be reached.
 
-Loading never runs code from the folder: ``config.json`` is JSON and the weights are safetensors.
+This module only reads and writes the layout; building the model is the registry's
+(``create_model``), so nothing here imports it. Loading never runs code from the folder:
+``config.json`` is JSON and the weights are safetensors.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from lgvit.errors import LgvitError
+from lgvit.atomic import atomic_save_safetensors, atomic_write_bytes
+from lgvit.errors import LgvitError, first_line
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -41,8 +44,6 @@ def _json_ready(value: Any) -> bool:
 
 def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
     """Write ``config.json`` and ``model.safetensors`` for a model built by ``create_model``."""
-    from safetensors.torch import save_file
-
     name = getattr(model, "model_name", None)
     if name is None:
         raise LgvitError("save_pretrained needs a model built by lgvit.create_model")
@@ -67,20 +68,9 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    # Atomic: a reader never sees a half-written file.
-    for fname, write in (
-        (WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"})),
-        (CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n")),
-    ):
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{fname}.tmp-")
-        os.close(fd)
-        try:
-            write(tmp)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, out / fname)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    # Atomic (with fsync): a reader never sees a half-written file.
+    atomic_save_safetensors(state, out / WEIGHTS_NAME, {"format": "pt"})
+    atomic_write_bytes(out / CONFIG_NAME, (json.dumps(config, indent=2) + "\n").encode())
     return out
 
 
@@ -97,20 +87,16 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def create_from_dir(directory: str | os.PathLike, **kwargs: Any) -> nn.Module:
-    """The model a ``save_pretrained`` folder describes, with its weights."""
-    from lgvit.models import create_model, is_model
-
-    config = read_config(directory)
-    name = config["architecture"]
-    if not is_model(name):
-        raise LgvitError(f"{directory}/{CONFIG_NAME}: unknown architecture {name!r}")
+def weights_file(directory: str | os.PathLike) -> Path:
+    """The path of a ``save_pretrained`` folder's weights; an error naming the folder if none."""
     weights = Path(directory) / WEIGHTS_NAME
     if not weights.is_file():
         raise LgvitError(f"{directory}: no {WEIGHTS_NAME}")
-    args = {**config.get("model_args", {}), **kwargs}
-    args.setdefault("num_classes", config.get("num_classes"))
-    model = create_model(name, checkpoint_path=str(weights), **args)
+    return weights
+
+
+def apply_saved_cfg(model: nn.Module, config: dict[str, Any], source: str) -> None:
+    """Put the preprocessing and class names the folder carries into ``model.pretrained_cfg``."""
     cfg = config.get("pretrained_cfg", {})
     for key in ("mean", "std", "input_size"):
         if key in cfg:
@@ -118,8 +104,7 @@ def create_from_dir(directory: str | os.PathLike, **kwargs: Any) -> nn.Module:
     for key in ("crop_pct", "interpolation", "label_names", "dataset"):
         if key in cfg:
             model.pretrained_cfg[key] = cfg[key]
-    model.pretrained_cfg["source"] = str(directory)
-    return model
+    model.pretrained_cfg["source"] = source
 
 
 def _hub() -> Any:
@@ -133,8 +118,8 @@ def _hub() -> Any:
     return huggingface_hub
 
 
-def create_from_hub(repo_id: str, revision: str | None = None, **kwargs: Any) -> nn.Module:
-    """``hf-hub:ORG/NAME``: download ``config.json`` and ``model.safetensors``, then load."""
+def download(repo_id: str, revision: str | None = None) -> Path:
+    """``hf-hub:ORG/NAME``: download ``config.json`` and ``model.safetensors``; their folder."""
     hub = _hub()
     try:
         folder = None
@@ -142,9 +127,8 @@ def create_from_hub(repo_id: str, revision: str | None = None, **kwargs: Any) ->
             path = hub.hf_hub_download(repo_id, fname, revision=revision)
             folder = Path(path).parent
     except Exception as e:  # noqa: BLE001 -- network, auth, missing repo: one line
-        first = (str(e).splitlines() or [""])[0]
-        raise LgvitError(f"hf-hub:{repo_id}: {type(e).__name__}: {first}") from None
-    return create_from_dir(folder, **kwargs)
+        raise LgvitError(f"hf-hub:{repo_id}: {type(e).__name__}: {first_line(e)}") from None
+    return folder
 
 
 def push_to_hub(

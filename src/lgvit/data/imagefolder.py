@@ -1,0 +1,349 @@
+"""Image folders (``<root>/train/<class>/*`` and ``val/`` or ``test/``, or a ``.tar.gz`` of one)
+decoded once into a memory-mapped uint8 ``.npy`` cache, or streamed from their files when the
+cache would be too large (ImageNet).
+
+A second run opens 60,000 CIFAR JPEGs from the cache in about a second. The cache key covers the
+root, the storage size and every file's path, size and mtime; the ``.json`` beside the ``.npy``
+is written last and marks a complete entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lgvit.atomic import atomic_write, atomic_write_json
+from lgvit.constants import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    CROP_PCT,
+    IMAGE_EXTENSIONS,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+)
+from lgvit.data import archives
+from lgvit.data.cifar import CIFAR10_CLASSES
+from lgvit.data.decode import STATUS_BAD, STATUS_OK, decode_to_npy, probe_size
+from lgvit.data.splits import DatasetSplits, FileImageSet, ImageSet
+from lgvit.errors import LgvitError
+
+__all__ = ["load_imagefolder"]
+
+# Bump when the decoded-cache layout or the decode/resize policy changes: old caches then miss.
+_CACHE_VERSION = 1
+# Only the default: with images of mixed sizes and no img_size we store at 224 / 0.875 = 256.
+_DEFAULT_IMG_SIZE = 224
+
+
+def load_imagefolder(
+    data_dir: Path,
+    img_size: int | None,
+    cache: Path,
+    max_bad_fraction: float,
+    stream: bool | None,
+    stream_above: int,
+) -> DatasetSplits:
+    """The ``imagefolder`` dataset at ``data_dir`` (see :func:`lgvit.data.datasets.load_dataset`).
+
+    ``stream`` None: stream when the images would be resized and the decoded cache would exceed
+    ``stream_above`` bytes.
+    """
+    root = _imagefolder_root(data_dir, cache)
+    train, val = _scan_splits(root)
+    if stream is None:
+        stream = _too_big_to_cache(train, val, img_size, stream_above)
+    if stream:
+        return _file_splits(train, val)
+    return _cached_splits(root, train, val, img_size, cache, max_bad_fraction)
+
+
+def _normalisation(
+    classes: list[str],
+) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """CIFAR-10's mean/std for a folder of CIFAR-10's classes, else ImageNet's."""
+    if tuple(classes) == CIFAR10_CLASSES:
+        return CIFAR10_MEAN, CIFAR10_STD
+    return IMAGENET_MEAN, IMAGENET_STD
+
+
+def _store_side(img_size: int | None) -> int:
+    """Side of the square images are resized to when not stored at their native size."""
+    return round((img_size or _DEFAULT_IMG_SIZE) / CROP_PCT)
+
+
+def _store_plan(first: tuple[int, int], img_size: int | None) -> tuple[int, int] | None:
+    """Native (W, H) to try storing at, or None to go straight to resizing.
+
+    Images are stored at their native size when they all share it and it is <= 2 * img_size
+    (CIFAR-like data: augmentation upsamples later); otherwise resized to round(img_size/CROP_PCT)
+    square (shorter side, then centre crop), as ImageNet evaluation crops do.
+    """
+    if img_size is None or max(first) <= 2 * img_size:
+        return first
+    return None
+
+
+@dataclass
+class _SplitFiles:
+    dirname: str
+    classes: list[str]
+    paths: list[str]
+    labels: list[int]
+    stats: list[tuple[str, int, int]]  # (relative path, size, mtime_ns): the cache key
+
+
+def _visible(name: str) -> bool:
+    return not name.startswith(".")
+
+
+def _scan_split(split_dir: Path) -> _SplitFiles:
+    classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and _visible(e.name))
+    if not classes:
+        raise LgvitError(f"no class folders in {split_dir} (expected {split_dir}/<class>/*)")
+    paths: list[str] = []
+    labels: list[int] = []
+    stats: list[tuple[str, int, int]] = []
+    empty: list[str] = []
+    for label, cls in enumerate(classes):
+        found = []
+        for dirpath, dirnames, filenames in os.walk(split_dir / cls, followlinks=True):
+            dirnames[:] = sorted(d for d in dirnames if _visible(d))  # deterministic, no .git
+            for fname in filenames:
+                if _visible(fname) and os.path.splitext(fname)[1].lower() in IMAGE_EXTENSIONS:
+                    found.append(os.path.join(dirpath, fname))
+        if not found:
+            empty.append(cls)
+        for path in sorted(found):
+            st = os.stat(path)
+            paths.append(path)
+            labels.append(label)
+            stats.append((os.path.relpath(path, split_dir), st.st_size, st.st_mtime_ns))
+    if not paths:
+        raise LgvitError(
+            f"no images in {split_dir} (extensions: {' '.join(sorted(IMAGE_EXTENSIONS))})"
+        )
+    if empty:
+        raise LgvitError(
+            f"{len(empty)} class folder(s) in {split_dir} have no images: {', '.join(empty[:5])}"
+        )
+    return _SplitFiles(split_dir.name, classes, paths, labels, stats)
+
+
+def _imagefolder_root(data_dir: Path, cache: Path) -> Path:
+    if not data_dir.exists():
+        raise LgvitError(f"imagefolder data dir not found: {data_dir}")
+    root = data_dir
+    if root.is_file():
+        if not archives.is_archive(root):
+            raise LgvitError(f"{root} is a file but not a .tar.gz/.tgz/.tar archive")
+        root = archives.extract_cached(root, cache)
+    if not (root / "train").is_dir():
+        # An archive (or a parent folder) usually wraps the tree in a single top folder.
+        subdirs = [e for e in os.scandir(root) if e.is_dir() and _visible(e.name)]
+        if len(subdirs) == 1 and (Path(subdirs[0].path) / "train").is_dir():
+            root = Path(subdirs[0].path)
+        else:
+            raise LgvitError(
+                f"no train/ directory in {data_dir} (expected train/<class>/* and "
+                "val/<class>/* or test/<class>/*)"
+            )
+    return root
+
+
+def _cache_key(root: Path, img_size: int | None, splits: list[_SplitFiles]) -> str:
+    h = hashlib.sha256(f"v{_CACHE_VERSION}|{os.path.realpath(root)}|{img_size}".encode())
+    for sp in splits:
+        h.update(f"|{sp.dirname}|{len(sp.stats)}".encode())
+        for rel, size, mtime in sp.stats:
+            h.update(f"\n{rel}\0{size}\0{mtime}".encode())
+    return h.hexdigest()[:20]
+
+
+def _read_cache(base: Path) -> tuple[np.ndarray, dict] | None:
+    npy, meta_path = base.with_suffix(".npy"), base.with_suffix(".json")
+    if not meta_path.is_file() or not npy.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        # Copy-on-write map: torch needs a writable buffer, and writes must never reach the file.
+        images = np.load(npy, mmap_mode="c")
+        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[0] != len(meta["labels"]):
+            return None
+        return images, meta
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # damaged cache: decode again
+
+
+def _scan_splits(root: Path) -> tuple[_SplitFiles, _SplitFiles]:
+    """The train and val (or test) splits of ``root``, checked to have the same classes."""
+    val_name = "val" if (root / "val").is_dir() else "test"
+    if not (root / val_name).is_dir():
+        raise LgvitError(f"no val/ or test/ directory in {root} (train/ is there)")
+    train, val = _scan_split(root / "train"), _scan_split(root / val_name)
+    if train.classes != val.classes:
+        only_t = sorted(set(train.classes) - set(val.classes))
+        only_v = sorted(set(val.classes) - set(train.classes))
+        raise LgvitError(
+            f"train/ and {val_name}/ class folders differ in {root}: only in train: "
+            f"{', '.join(only_t) or '-'}; only in {val_name}: "
+            f"{', '.join(only_v) or '-'}"
+        )
+    return train, val
+
+
+def _too_big_to_cache(
+    train: _SplitFiles, val: _SplitFiles, img_size: int | None, limit: int
+) -> bool:
+    """Whether the images would be resized and their decoded cache would exceed ``limit``."""
+    first = probe_size(train.paths)
+    side = _store_side(img_size)
+    n = len(train.paths) + len(val.paths)
+    big = n * 3 * side * side > limit
+    return first is not None and _store_plan(first, img_size) is None and big
+
+
+def _file_splits(train: _SplitFiles, val: _SplitFiles) -> DatasetSplits:
+    classes = list(train.classes)
+    mean, std = _normalisation(classes)
+    return DatasetSplits(
+        train=FileImageSet(train.paths, torch.tensor(train.labels, dtype=torch.int64), classes),
+        test=FileImageSet(val.paths, torch.tensor(val.labels, dtype=torch.int64), classes),
+        name="imagefolder",
+        mean=mean,
+        std=std,
+        skipped=[],
+    )
+
+
+def _cached_splits(
+    root: Path,
+    train: _SplitFiles,
+    val: _SplitFiles,
+    img_size: int | None,
+    cache: Path,
+    max_bad_fraction: float,
+) -> DatasetSplits:
+    """The splits from the decoded cache, building it first on a miss."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", root.name) or "root"
+    base = cache / "imagefolder" / f"{safe}-{_cache_key(root, img_size, [train, val])}"
+    cached = _read_cache(base)
+    if cached is None:
+        _build_cache(base, [train, val], img_size)
+        cached = _read_cache(base)
+        if cached is None:
+            raise LgvitError(f"could not read back the decoded cache {base}.npy")
+    images, meta = cached
+
+    skipped: list[str] = []
+    for sp, bad, total in zip((train, val), meta["skipped"], meta["totals"], strict=True):
+        _check_bad(root / sp.dirname, bad, total, max_bad_fraction)
+        skipped.extend(bad)
+    n_train = meta["counts"][0]
+    for sp, count in zip((train, val), meta["counts"], strict=True):
+        if count == 0:  # only reachable with max_bad_fraction=1
+            raise LgvitError(f"no readable images in {root / sp.dirname}")
+    labels = torch.tensor(meta["labels"], dtype=torch.int64)
+    classes = list(meta["classes"])
+    mean, std = _normalisation(classes)
+    return DatasetSplits(
+        train=ImageSet(torch.from_numpy(images[:n_train]), labels[:n_train], classes),
+        test=ImageSet(torch.from_numpy(images[n_train:]), labels[n_train:], list(classes)),
+        name="imagefolder",
+        mean=mean,
+        std=std,
+        skipped=skipped,
+    )
+
+
+def _decode_all(
+    paths: list[str], img_size: int | None, out: Path
+) -> tuple[np.ndarray, tuple[int, int]]:
+    """Decode ``paths`` into the ``.npy`` at ``out``: per-image status and the stored (H, W)."""
+    first = probe_size(paths)
+    if first is None:  # nothing readable at all: every row is bad
+        shape = (len(paths), 3, 1, 1)
+        np.lib.format.open_memmap(out, mode="w+", dtype=np.uint8, shape=shape).flush()
+        return np.full(len(paths), STATUS_BAD, dtype=np.uint8), (0, 0)
+    native = _store_plan(first, img_size)
+    if native is not None:
+        hw = (native[1], native[0])
+        status = decode_to_npy(paths, native, None, hw, out, "decoding")
+        if status is not None:
+            return status, hw
+    # sizes differ, or too large to keep: resize everything
+    side = _store_side(img_size)
+    status = decode_to_npy(paths, None, side, (side, side), out, f"decoding+resizing to {side}")
+    assert status is not None  # only a native-size pass stops early
+    return status, (side, side)
+
+
+def _keep_rows(scratch: Path, ok: np.ndarray, out: Path) -> None:
+    """Move the ``.npy`` ``scratch`` to ``out``, or copy only its ``ok`` rows there."""
+    if ok.all():
+        os.replace(scratch, out)
+        return
+    # copying in blocks keeps memory flat
+    src = np.load(scratch, mmap_mode="r")
+    dst = np.lib.format.open_memmap(
+        out, mode="w+", dtype=np.uint8, shape=(int(ok.sum()), *src.shape[1:])
+    )
+    keep = np.flatnonzero(ok)
+    for i in range(0, len(keep), 4096):
+        dst[i : i + 4096] = src[keep[i : i + 4096]]
+    dst.flush()
+    del src, dst
+
+
+def _build_cache(base: Path, splits: list[_SplitFiles], img_size: int | None) -> None:
+    """Decode every image of ``splits`` into ``base.npy`` (readable rows only) + ``base.json``."""
+    paths = [p for sp in splits for p in sp.paths]
+    labels = np.array([lab for sp in splits for lab in sp.labels], dtype=np.int64)
+    split_of = np.concatenate([np.full(len(sp.paths), i) for i, sp in enumerate(splits)])
+    base.parent.mkdir(parents=True, exist_ok=True)
+    scratch = base.with_name(f"{base.name}.tmp-{os.getpid()}.npy")
+    try:
+        status, hw = _decode_all(paths, img_size, scratch)
+        ok = status == STATUS_OK
+        atomic_write(base.with_suffix(".npy"), lambda tmp: _keep_rows(scratch, ok, tmp))
+        meta = {
+            "version": _CACHE_VERSION,
+            "classes": splits[0].classes,
+            "splits": [sp.dirname for sp in splits],
+            "counts": [int(ok[split_of == i].sum()) for i in range(len(splits))],
+            "totals": [len(sp.paths) for sp in splits],
+            "labels": labels[ok].tolist(),
+            "skipped": [
+                [p for p, s in zip(sp.paths, status[split_of == i], strict=True) if s != STATUS_OK]
+                for i, sp in enumerate(splits)
+            ],
+            "store_hw": list(hw),
+        }
+        # The json is written last: its presence marks a complete cache entry.
+        atomic_write_json(base.with_suffix(".json"), meta)
+    finally:
+        scratch.unlink(missing_ok=True)
+
+
+def _check_bad(split_dir: Path, bad: list[str], total: int, max_bad_fraction: float) -> None:
+    if not bad:
+        return
+    frac = len(bad) / total
+    shown = ", ".join(bad[:3])
+    if frac > max_bad_fraction:
+        raise LgvitError(
+            f"{len(bad)} of {total} images in {split_dir} are unreadable "
+            f"({frac:.1%} > max_bad_fraction {max_bad_fraction:.1%}), e.g. {shown}"
+        )
+    warnings.warn(
+        f"skipped {len(bad)} unreadable image(s) of {total} in {split_dir} "
+        f"({frac:.1%}), e.g. {shown}",
+        stacklevel=5,  # the caller of load_dataset
+    )

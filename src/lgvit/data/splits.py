@@ -1,0 +1,58 @@
+"""What every dataset loader returns: uint8 image splits and their normalisation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DatasetSplits", "FileImageSet", "ImageSet"]
+
+
+@dataclass
+class ImageSet:
+    """One split: ``images`` uint8 ``(N, 3, H, W)``, ``labels`` int64 ``(N,)``, class names."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    classes: list[str]
+
+    def __post_init__(self) -> None:
+        # Internal invariants (a bug in a loader, not a user error), so plain ValueError.
+        if self.images.dtype != torch.uint8 or self.images.dim() != 4 or self.images.shape[1] != 3:
+            raise ValueError(
+                f"images must be uint8 (N, 3, H, W), got {self.images.dtype} "
+                f"{tuple(self.images.shape)}"
+            )
+        if self.labels.dtype != torch.int64 or self.labels.shape != (self.images.shape[0],):
+            raise ValueError(
+                f"labels must be int64 ({self.images.shape[0]},), got "
+                f"{self.labels.dtype} {tuple(self.labels.shape)}"
+            )
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+@dataclass
+class FileImageSet:
+    """A split read from its image files while iterating (too large to decode once)."""
+
+    paths: list[str]
+    labels: torch.Tensor
+    classes: list[str]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+
+@dataclass
+class DatasetSplits:
+    """Train and test splits plus the per-dataset normalisation (in ``[0, 1]`` units)."""
+
+    train: ImageSet | FileImageSet
+    test: ImageSet | FileImageSet
+    name: str
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    skipped: list[str]

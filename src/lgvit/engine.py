@@ -1,0 +1,678 @@
+"""The run, for any task: run directory and lock, resume, the epoch loop, mid-epoch saves and
+preemption, DDP, progress, logs and checkpoints. What is trained comes from a :class:`Task`.
+
+A task (classification in :mod:`lgvit.train`; detection and segmentation later) brings what is
+its own: the model and data (:meth:`Task.prepare`), the loss of a batch, an evaluation and the
+config keys a resume may not change. Everything else lives here once.
+
+Read top to bottom: the task interface, what may interrupt an epoch, one epoch, the run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lgvit.atomic import atomic_save_safetensors, atomic_write_bytes
+from lgvit.checkpoint import (
+    build_train_state,
+    checkpoint_paths,
+    load_checkpoint_pair,
+    load_initial_weights,
+    restore_rng_state,
+    save_checkpoint,
+    state_dict_to_cpu,
+)
+from lgvit.config import TrainConfig, config_from_dict, config_to_dict, save_config, scaled_lr
+from lgvit.errors import LgvitError, last_line
+from lgvit.optim import ModelEma, build_optimizer, lr_at
+from lgvit.preempt import RunControl
+from lgvit.progress import RunClock, StepProgress, format_duration, on_terminal
+from lgvit.rundir import RunLock, remove_stale_temps
+from lgvit.runtime import Dist, all_reduce_sum, barrier, resolve_amp, seed_everything
+
+# --------------------------------------------------------------------------------- the task
+
+
+@dataclass
+class Prepared:
+    """What a task builds before training: the model (on the CPU), the loaders, the metadata
+    every checkpoint carries, and the run's description for the log."""
+
+    model: nn.Module
+    train_loader: (
+        Any  # iterable of batches with __len__, set_epoch(epoch, batch, state), aug_state()
+    )
+    test_loader: Any
+    metadata: dict[str, str]
+    description: str
+    notes: list[str] = field(default_factory=list)  # extra log lines (e.g. skipped images)
+
+
+class Task(Protocol):
+    """What one kind of training brings to the shared run."""
+
+    identity_keys: tuple[str, ...]  # config keys a resume may not change
+    best_metric: str  # key of evaluate()'s result; the best checkpoint maximises it
+
+    def prepare(self, cfg: TrainConfig, d: Dist) -> Prepared: ...
+
+    def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]: ...
+
+    def loss(
+        self, model: nn.Module, batch: Any, epoch: int, d: Dist, amp: Any
+    ) -> tuple[torch.Tensor, int]:
+        """The batch's loss (a float32 scalar) and its number of samples; the batch is moved to
+        the device here."""
+        ...
+
+    def evaluate(
+        self, model: nn.Module, loader: Any, d: Dist, amp: Any, desc: str
+    ) -> dict[str, float]: ...
+
+    def summary(self, result: dict[str, float]) -> str:
+        """The evaluation's part of an epoch's log line."""
+        ...
+
+    def epoch_info(self, epoch: int) -> dict[str, Any]:
+        """Extra per-epoch metrics (``train_size``: the epoch's input size)."""
+        ...
+
+    def epoch_cost(self, epoch: int) -> float:
+        """The relative cost of the epoch's steps (for the run's ETA)."""
+        ...
+
+
+# --------------------------------------------------------------------------------- interruptions
+
+
+class NonFiniteLoss(LgvitError):
+    pass
+
+
+def _stop_nonfinite(cfg: TrainConfig, what: str) -> None:
+    kept = (
+        f"the last good checkpoint is kept in {cfg.out}"
+        if checkpoint_paths(Path(cfg.out) / "last")[0].exists()
+        else "no checkpoint had been saved yet"
+    )
+    raise NonFiniteLoss(f"{what}; stopping. {kept} (lower --set lr=... or try --amp none)")
+
+
+def skips_on_device(
+    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, device: torch.device
+) -> bool:
+    """Whether a non-finite loss skips the step on the device, with no host sync per step: on
+    a GPU, for fused optimizers (AdamW here), which take ``found_inf`` as a GradScaler passes
+    it. Elsewhere the host checks each loss (on a CPU that costs nothing)."""
+    return (
+        device.type == "cuda"
+        and scaler is None
+        and getattr(optimizer, "_step_supports_amp_scaling", False)
+    )
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    model = getattr(model, "_orig_mod", model)  # torch.compile
+    return getattr(model, "module", model)  # DDP
+
+
+class RunLog:
+    """Rank 0 prints and appends to ``<out>/train.log``; other ranks stay quiet."""
+
+    def __init__(self, out: Path, main: bool) -> None:
+        self.main = main
+        self.path = out / "train.log"
+
+    def __call__(self, msg: str, console: bool = True) -> None:
+        if not self.main:
+            return
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        if console:
+            print(line, flush=True)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+
+
+# --------------------------------------------------------------------------------- one epoch
+
+
+@dataclass
+class EpochProgress:
+    """Where an epoch stands: batches done, loss sum, images seen (saved mid-epoch)."""
+
+    batch: int = 0
+    loss_sum: float = 0.0
+    images: int = 0
+
+
+@dataclass
+class Optimisation:
+    """The optimizer and what steps with it: the scaler (fp16), the EMA, the lr schedule."""
+
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    ema: ModelEma | None
+    schedule: dict[str, Any]
+
+    def set_lr(self, step: int) -> float:
+        lr = lr_at(step, **self.schedule)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr * g.get("lr_scale", 1.0)
+        return lr
+
+    def step(self, model: nn.Module, loss: torch.Tensor, clip_grad: float | None) -> None:
+        """Backward and the optimizer step (the EMA follows the updated weights)."""
+        scaler = self.scaler
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(self.optimizer)
+        else:
+            loss.backward()
+        if clip_grad:
+            nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+        if scaler is not None:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update(unwrap(model))
+
+
+class _NonFinite:
+    """Non-finite losses: counted on the device without a host sync (GPU, fused AdamW: the
+    step itself is skipped in its kernel) or checked on the host per step (a step skipped)."""
+
+    def __init__(self, opt: Optimisation, cfg: TrainConfig, d: Dist) -> None:
+        self.opt, self.cfg = opt, cfg
+        self.on_device = skips_on_device(opt.optimizer, opt.scaler, d.device)
+        self.count_dev = torch.zeros((), dtype=torch.int64, device=d.device)
+        self.count = 0
+
+    def skip_on_host(self, loss: torch.Tensor, epoch: int, i: int) -> bool:
+        """Before the step: True when the host must skip it (after warning once per step)."""
+        self.opt.optimizer.zero_grad(set_to_none=True)
+        if self.on_device:
+            # The fused step reads `found_inf` in its kernel and leaves the weights and its
+            # state alone when it is set, as under a GradScaler.
+            self.bad = ~torch.isfinite(loss)
+            self.opt.optimizer.found_inf = self.bad.float()
+            self.count_dev += self.bad
+            return False
+        if torch.isfinite(loss):
+            return False
+        self.count += 1
+        where = f"loss is {loss.item()} at epoch {epoch + 1} step {i + 1}"
+        if self.count > self.cfg.max_nonfinite:
+            _stop_nonfinite(self.cfg, where)
+        warnings.warn(f"{where}: skipped", stacklevel=3)
+        return True
+
+    def finite_part(self, loss: torch.Tensor) -> torch.Tensor:
+        """After the step: the loss to sum (0 for a step skipped on the device)."""
+        if not self.on_device:
+            return loss.detach()
+        del self.opt.optimizer.found_inf
+        return torch.where(self.bad, 0.0, loss.detach())
+
+    def check(self, where: str) -> None:
+        if self.on_device and int(self.count_dev) > self.cfg.max_nonfinite:
+            _stop_nonfinite(self.cfg, f"{int(self.count_dev)} non-finite losses {where}")
+
+
+def train_one_epoch(
+    run: Run, epoch: int, step: int, start: EpochProgress | None = None
+) -> tuple[float, int, int]:
+    """One pass over the training split (from ``start.batch`` when resuming mid-epoch);
+    returns (mean loss, images seen, global step).
+
+    Progress: a bar on a terminal (rank 0), else a plain line every ``cfg.log_every`` steps
+    (lines go to ``train.log`` either way). After each step the run may save a mid-epoch
+    checkpoint and, on SIGTERM/SIGINT, stop. On a GPU no step waits for the host: the loss is
+    summed on the device and read only for a progress refresh or a log line; multi-process runs
+    agree on signals every ``AGREE_EVERY`` steps, so the host prepares batch n+1 while step n
+    runs."""
+    cfg, d, loader = run.cfg, run.d, run.prepared.train_loader
+    run.net.train()
+    start = start or EpochProgress()
+    # Summed on the device: reading a GPU loss every step would make the host wait for it.
+    sum_dtype = torch.float32 if d.device.type == "mps" else torch.float64
+    loss_sum = torch.tensor(start.loss_sum, dtype=sum_dtype, device=d.device)
+    images = start.images
+    nonfinite = _NonFinite(run.opt, cfg, d)
+    bar = d.main and on_terminal()
+    progress = StepProgress(len(loader) - start.batch, f"epoch {epoch + 1}/{cfg.epochs}", bar)
+    for i, batch in enumerate(loader, start=start.batch):
+        lr = run.opt.set_lr(step)
+        loss, n = run.task.loss(run.net, batch, epoch, d, run.amp)
+        if nonfinite.skip_on_host(loss, epoch, i):
+            continue
+        run.opt.step(run.net, loss, cfg.clip_grad)
+        loss_sum += nonfinite.finite_part(loss).to(sum_dtype)
+        images += n
+        step += 1
+        _report_step(run, progress, loss, lr, n, step, epoch, i, bar, nonfinite)
+        save, stop = run.ctl.due(i + 1, i + 1 == len(loader), step)
+        if save:
+            progress.close()
+            run.save(epoch, step, False, EpochProgress(i + 1, float(loss_sum), images))
+            run.log(f"saved a mid-epoch checkpoint at epoch {epoch + 1} step {i + 1}")
+            run.ctl.last_save = time.perf_counter()
+        if stop:
+            raise run.ctl.preempted(f"at epoch {epoch + 1} step {i + 1}/{len(loader)}", cfg.out)
+    progress.close()
+    nonfinite.check(f"in epoch {epoch + 1}")
+    steps = torch.tensor(float(len(loader)), dtype=sum_dtype, device=d.device)
+    stats = all_reduce_sum(torch.stack([loss_sum, steps]), d)
+    mean_loss = (stats[0] / stats[1].clamp(min=1)).item()
+    return mean_loss, images * d.world_size, step
+
+
+def _report_step(
+    run: Run, progress: StepProgress, loss: torch.Tensor, lr: float, n: int, step: int,
+    epoch: int, i: int, bar: bool, nonfinite: _NonFinite,
+) -> None:  # fmt: skip
+    """The progress bar (figures twice a second), and a log line every ``log_every`` steps."""
+    cfg, world, loader = run.cfg, run.d.world_size, run.prepared.train_loader
+    if progress.wants_postfix():  # the loss's device sync only when figures are shown
+        run_eta = format_duration(run.clock.eta(step) or 0)
+        progress.update(n * world, loss=f"{loss.item():.4f}", lr=f"{lr:.3g}", run_ETA=run_eta)
+    else:
+        progress.update(n * world)
+    if not cfg.log_every or (i + 1) % cfg.log_every:
+        return
+    nonfinite.check(f"by epoch {epoch + 1} step {i + 1}")
+    run_eta = run.clock.eta(step)
+    eta = f", run ETA {format_duration(run_eta)}" if run_eta is not None else ""
+    run.log(
+        f"epoch {epoch + 1} step {i + 1}/{len(loader)} loss {loss.item():.4f} lr {lr:.3g}, "
+        f"{progress.img_per_s:.0f} img/s, epoch ETA {format_duration(progress.eta())}{eta}",
+        console=not bar,
+    )
+
+
+# --------------------------------------------------------------------------------- the run
+
+
+def _find_resume(cfg: TrainConfig) -> Path | None:
+    if not cfg.resume:
+        return None
+    if cfg.resume == "auto":
+        stem = Path(cfg.out) / "last"
+        return stem if checkpoint_paths(stem)[0].exists() else None
+    stem = Path(cfg.resume)
+    if stem.is_dir():
+        stem = stem / "last"
+    if not checkpoint_paths(stem)[0].exists():
+        raise LgvitError(f"--resume {cfg.resume}: no checkpoint found there")
+    return stem
+
+
+def _check_resume(
+    saved: TrainConfig, cfg: TrainConfig, explicit: Any, stem: Path, keys: tuple[str, ...]
+) -> None:
+    """A resume that would change the model, the data or the input size: one line, nothing
+    written (the checkpoint's shapes would not fit, or the run would silently change)."""
+    for key in keys:
+        if key in explicit and getattr(cfg, key) != getattr(saved, key):
+            was, now = getattr(saved, key), getattr(cfg, key)
+            raise LgvitError(
+                f"--resume {stem}: the run trained with {key}={was!r}, not {now!r}; continue "
+                f"it without changing {key}, or start a new run (another --out) from its "
+                f"weights with --initial-checkpoint {stem}"
+            )
+
+
+@dataclass
+class Run:
+    """One training run's live state; :func:`run` builds it, the loop advances it."""
+
+    cfg: TrainConfig
+    task: Task
+    d: Dist
+    out: Path
+    log: RunLog
+    ctl: RunControl
+    prepared: Prepared
+    amp: Any
+    opt: Optimisation
+    net: nn.Module
+    clock: RunClock
+    history: list[dict[str, Any]] = field(default_factory=list)
+    best: float | None = None
+    last_metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.prepared.model
+
+    def save(self, epoch: int, step: int, is_best: bool, mid: EpochProgress | None = None) -> None:
+        """Atomic checkpoints by rank 0 (``last``, and ``best``); every rank's RNG state (and,
+        mid-epoch, augmentation stream) is gathered so resume is exact. A failed write is one
+        line, and the previous checkpoint stays."""
+        extra: dict[str, Any] = {"history": self.history}
+        if mid is not None:
+            extra["mid_epoch"] = {"batch": mid.batch, "loss_sum": mid.loss_sum,
+                                  "images": mid.images}  # fmt: skip
+        try:
+            self._write(epoch, step, is_best, extra)
+        except LgvitError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- disk full, permissions, a vanished directory
+            cause = last_line(e)
+            raise LgvitError(
+                f"saving the checkpoint to {self.out} failed: {cause}; the previous checkpoint "
+                "there is kept and still loads"
+            ) from None
+
+    def _write(self, epoch: int, step: int, is_best: bool, extra: dict[str, Any]) -> None:
+        d = self.d
+        rng = build_train_state(rng=True)["rng"]
+        aug = self.prepared.train_loader.aug_state() if "mid_epoch" in extra else None
+        rngs: list[Any] = [None] * d.world_size
+        augs: list[Any] = [None] * d.world_size
+        if d.world_size > 1:
+            dist.all_gather_object(rngs, rng)
+            dist.all_gather_object(augs, aug)
+        else:
+            rngs, augs = [rng], [aug]
+        if not d.main:
+            return
+        if "mid_epoch" in extra:
+            extra["mid_epoch"]["aug_rng_per_rank"] = augs
+        o = self.opt
+        state = build_train_state(
+            optimizer=o.optimizer, scaler=o.scaler, ema=o.ema, epoch=epoch, global_step=step,
+            best_metric=self.best, config=config_to_dict(self.cfg), rng=True,
+            extra={"rng_per_rank": rngs, **extra},
+        )  # fmt: skip
+        meta = self.prepared.metadata
+        weights = state_dict_to_cpu(self.model.state_dict())
+        save_checkpoint(self.out / "last", weights, state, metadata=meta)
+        if is_best:
+            save_checkpoint(self.out / "best", weights, state, metadata=meta)
+        if o.ema is not None:  # the EMA weights alone: `lgvit eval --checkpoint <out>/last_ema`
+            ema_sd = state_dict_to_cpu(o.ema.shadow)
+            atomic_save_safetensors(ema_sd, self.out / "last_ema.safetensors", meta)
+
+
+def run(
+    cfg: TrainConfig, task: Task, explicit: set[str] | frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """Run (or resume) a training run of ``task`` as configured; returns the last epoch's
+    metrics.
+
+    When resuming, the run's saved config is used; only ``out``, ``resume`` and the keys named
+    in ``explicit`` (what this invocation set: flags, ``--set``, the YAML file) override it.
+    The run directory is locked for the run's duration (:mod:`lgvit.rundir`).
+    """
+    from lgvit.runtime import setup_distributed
+
+    d = setup_distributed(cfg.device)
+    out = Path(cfg.out)
+    lock = RunLock(out)
+    created = not out.exists()
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    ctl = RunControl(cfg, d)
+    try:
+        barrier(d)
+        ctl.install()
+        return _run(cfg, task, explicit, d, out, lock, ctl)
+    finally:
+        ctl.restore()
+        lock.release()
+        if created and d.main and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # a refused start leaves no trace
+
+
+def _resumed_config(
+    cfg: TrainConfig, task: Task, explicit: Any, out: Path, d: Dist
+) -> tuple[TrainConfig, Path | None, Any, Any]:
+    """(config, resume stem, weights, state): the saved run's config with this invocation's
+    explicit keys on top when resuming; a run directory that already holds a run is refused
+    without --resume."""
+    stem = _find_resume(cfg)
+    if stem is None and checkpoint_paths(out / "last")[0].exists():
+        raise LgvitError(
+            f"{out} already holds a run; pass --resume auto to continue it, or another --out"
+        )
+    if stem is None:
+        return cfg, None, None, None
+    weights, state = load_checkpoint_pair(stem, repair=d.main)
+    saved = config_from_dict(state["config"], source=f"{stem}")
+    _check_resume(saved, cfg, explicit, stem, task.identity_keys)
+    now = config_to_dict(cfg)
+    keep = {k: now[k] for k in {"out", "resume", *explicit} - {"initial_checkpoint"}}
+    return (
+        config_from_dict({**config_to_dict(saved), **keep}, source="resume"),
+        stem,
+        weights,
+        state,
+    )
+
+
+def _optimisation(
+    cfg: TrainConfig, task: Task, prepared: Prepared, d: Dist, amp: Any
+) -> Optimisation:
+    model, steps_per_epoch = prepared.model, len(prepared.train_loader)
+    base_lr = scaled_lr(cfg, d.world_size)
+    optimizer = build_optimizer(cfg, task.param_groups(model, cfg), base_lr, d.device)
+    scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 else None
+    ema = ModelEma(model, cfg.ema_decay) if cfg.ema else None
+    schedule = dict(
+        total_steps=cfg.epochs * steps_per_epoch,
+        warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
+        cfg=cfg, base_lr=base_lr, steps_per_epoch=steps_per_epoch,
+    )  # fmt: skip
+    return Optimisation(optimizer, scaler, ema, schedule)
+
+
+def _warn_warmup(cfg: TrainConfig, opt: Optimisation) -> None:
+    if cfg.warmup_epochs >= cfg.epochs and cfg.warmup_epochs > 0:
+        final = lr_at(opt.schedule["total_steps"] - 1, **opt.schedule)
+        warnings.warn(
+            f"warmup_epochs {cfg.warmup_epochs:g} >= epochs {cfg.epochs}: the learning rate "
+            f"rises for the whole run and ends at {final:.3g}, below its peak "
+            f"{opt.schedule['base_lr']:.3g} (lower --set warmup_epochs=...)",
+            stacklevel=3,
+        )
+
+
+@dataclass
+class _Position:
+    epoch: int = 0
+    step: int = 0
+    in_epoch: EpochProgress | None = None
+
+
+def _restore(run: Run, state: dict[str, Any], stem: Path) -> _Position:
+    """Optimizer, scaler, EMA, RNG streams, history and where to continue (mid-epoch too);
+    ``metrics.jsonl`` rewritten as of the checkpoint (no lost or doubled epochs)."""
+    o, d = run.opt, run.d
+    o.optimizer.load_state_dict(state["optimizer"])
+    if o.scaler is not None and state.get("scaler"):
+        o.scaler.load_state_dict(state["scaler"])
+    if o.ema is not None and state.get("ema"):
+        o.ema.shadow = {k: v.to(d.device) for k, v in state["ema"].items()}
+    pos = _Position(state["epoch"] + 1, state["global_step"])
+    run.best = state["best_metric"]
+    extra = state.get("extra", {})
+    rngs = extra.get("rng_per_rank") or []
+    if len(rngs) == d.world_size:  # same process count: continue every rank's random stream
+        restore_rng_state(rngs[d.rank])
+    run.history = list(extra.get("history", []))
+    mid = extra.get("mid_epoch")
+    if mid is not None:  # saved inside an epoch: continue that epoch at the next batch
+        pos.epoch = state["epoch"]
+        pos.in_epoch = EpochProgress(mid["batch"], mid["loss_sum"], mid["images"])
+        augs = mid.get("aug_rng_per_rank") or []
+        run.prepared.train_loader.set_epoch(
+            pos.epoch, mid["batch"], augs[d.rank] if len(augs) == d.world_size else None
+        )
+    if d.main:
+        lines = "".join(json.dumps(h) + "\n" for h in run.history)
+        atomic_write_bytes(run.out / "metrics.jsonl", lines.encode())
+    steps_per_epoch = len(run.prepared.train_loader)
+    where = (
+        f"at epoch {pos.epoch + 1} step {pos.in_epoch.batch}/{steps_per_epoch}"
+        if pos.in_epoch
+        else f"after epoch {state['epoch'] + 1}"
+    )
+    run.log(f"resumed from {stem} {where}")
+    return pos
+
+
+def _start(
+    cfg: TrainConfig, task: Task, explicit: Any, d: Dist, out: Path, lock: RunLock, ctl: RunControl
+) -> tuple[Run, _Position]:
+    """Everything before the first step: config (resumed or not), model and data, weights,
+    run files, optimisation, restored state, DDP and compile."""
+    log = RunLog(out, d.main)
+    cfg, stem, weights, state = _resumed_config(cfg, task, explicit, out, d)
+    ctl.cfg = cfg
+    if d.main:
+        if lock.note:
+            log(f"{out}: {lock.note}", console=True)
+        stale = remove_stale_temps(out)
+        if stale:
+            log(f"removed {len(stale)} temp file(s) of interrupted saves: {', '.join(stale[:3])}")
+    seed_everything(cfg.seed + d.rank)
+    prepared = task.prepare(cfg, d)
+    model = prepared.model
+    if weights is not None:
+        model.load_state_dict(weights)
+    elif cfg.initial_checkpoint:
+        log(load_initial_weights(model, cfg.initial_checkpoint))
+    model.to(d.device)
+    amp = resolve_amp(cfg.amp, d.device)
+    if d.main:  # written once the run is known to start: a refused start changes nothing
+        if stem is None:  # a fresh run: no stale lines from a run that never saved
+            for name in ("metrics.jsonl", "train.log"):
+                (out / name).unlink(missing_ok=True)
+        save_config(cfg, out / "config.yaml")
+    log(
+        f"{prepared.description}; {d.world_size} process(es) on {d.device.type}, "
+        f"global batch {cfg.batch_size * d.world_size}; amp {amp or 'none'}"
+    )
+    for note in prepared.notes:
+        log(note)
+    opt = _optimisation(cfg, task, prepared, d, amp)
+    if stem is None:
+        _warn_warmup(cfg, opt)
+    net = _wrap(model, cfg, d)
+    spe = len(prepared.train_loader)
+    clock_start = state["global_step"] if state is not None else 0
+    clock = RunClock(cfg.epochs * spe, clock_start, spe, task.epoch_cost)
+    run = Run(cfg, task, d, out, log, ctl, prepared, amp, opt, net, clock)
+    pos = _restore(run, state, stem) if state is not None else _Position()
+    return run, pos
+
+
+def _wrap(model: nn.Module, cfg: TrainConfig, d: Dist) -> nn.Module:
+    net: nn.Module = model
+    if d.world_size > 1:
+        net = nn.parallel.DistributedDataParallel(
+            model, device_ids=[d.device.index] if d.device.type == "cuda" else None
+        )
+    return torch.compile(net) if cfg.compile else net
+
+
+def _evaluate(run: Run, metrics: dict[str, Any]) -> tuple[bool, str]:
+    """Test the model (and its EMA); the metrics under ``test_*``; (best so far, log text)."""
+    task, d, amp, loader = run.task, run.d, run.amp, run.prepared.test_loader
+    ev = task.evaluate(run.net, loader, d, amp, "eval")
+    text = f"test {task.summary(ev)}"
+    if run.opt.ema is not None:
+        ema_model = copy.deepcopy(run.model)
+        ema_model.load_state_dict(run.opt.ema.shadow)
+        ema_ev = task.evaluate(ema_model, loader, d, amp, "eval EMA")
+        metrics[f"test_ema_{task.best_metric}"] = round(ema_ev[task.best_metric], 4)
+        text += f" (EMA {task.summary({task.best_metric: ema_ev[task.best_metric]})})"
+    for key, value in ev.items():
+        if isinstance(value, float):
+            metrics[f"test_{key}"] = round(value, 6 if key == "loss" else 4)
+    score = ev[task.best_metric]
+    is_best = run.best is None or score > run.best
+    run.best = score if is_best else run.best
+    return is_best, text
+
+
+def _epoch(run: Run, epoch: int, pos: _Position, t_start: float) -> bool:
+    """Train one epoch, test it when due, log and save; True when the run should stop."""
+    cfg, out, ctl = run.cfg, run.out, run.ctl
+    if pos.in_epoch is None:
+        run.prepared.train_loader.set_epoch(epoch)
+    t0 = time.time()
+    done_before = pos.in_epoch.images if pos.in_epoch else 0
+    train_loss, seen, pos.step = train_one_epoch(run, epoch, pos.step, pos.in_epoch)
+    pos.in_epoch = None
+    train_time = time.time() - t0
+    last = epoch + 1 == cfg.epochs
+    metrics: dict[str, Any] = {
+        "epoch": epoch,
+        "train_loss": round(train_loss, 6),
+        "lr": run.opt.optimizer.param_groups[0]["lr"],
+        "img_per_s": round((seen - done_before * run.d.world_size) / train_time, 2),
+        **run.task.epoch_info(epoch),
+    }
+    evaluated = last or (epoch + 1) % cfg.eval_every == 0
+    is_best, tested = _evaluate(run, metrics) if evaluated else (False, "")
+    metrics["epoch_time_s"] = round(time.time() - t0, 3)
+    run.history.append(metrics)
+    if run.d.main:
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+    timed_out = bool(cfg.time_limit_min and (time.time() - t_start) / 60 > cfg.time_limit_min)
+    if last or timed_out or ctl.signum or (epoch + 1) % cfg.save_every == 0 or is_best:
+        run.save(epoch, pos.step, is_best)
+        ctl.last_save = time.perf_counter()
+    eta = f", run ETA {format_duration(run.clock.eta(pos.step) or 0)}" if not last else ""
+    at_size = f" at {metrics['train_size']}px" if "train_size" in metrics else ""
+    tested = f", {tested}" if tested else ""
+    run.log(
+        f"epoch {epoch + 1}/{cfg.epochs}{at_size}: train loss {train_loss:.4f}{tested}, "
+        f"{metrics['img_per_s']:.0f} img/s, {metrics['epoch_time_s']:.1f}s{eta}"
+    )
+    run.last_metrics = metrics
+    _fault_injection(epoch)
+    if ctl.signum:
+        raise ctl.preempted(f"after epoch {epoch + 1}", out)
+    if timed_out:
+        run.log(f"time limit of {cfg.time_limit_min} min reached after epoch {epoch + 1}")
+    return timed_out
+
+
+def _run(
+    cfg: TrainConfig, task: Task, explicit: Any, d: Dist, out: Path, lock: RunLock,
+    ctl: RunControl,
+) -> dict[str, Any]:  # fmt: skip
+    run, pos = _start(cfg, task, explicit, d, out, lock, ctl)
+    t_start = time.time()
+    for epoch in range(pos.epoch, run.cfg.epochs):
+        if _epoch(run, epoch, pos, t_start):
+            break
+    barrier(d)
+    if d.world_size > 1:
+        dist.destroy_process_group()
+    return run.last_metrics
+
+
+def _fault_injection(epoch: int) -> None:
+    """Test hook: LGVIT_KILL_AFTER_EPOCH=k SIGKILLs the process once epoch k is checkpointed."""
+    k = os.environ.get("LGVIT_KILL_AFTER_EPOCH")
+    if k is not None and int(k) == epoch:
+        os.kill(os.getpid(), signal.SIGKILL)

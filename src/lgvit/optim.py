@@ -1,0 +1,132 @@
+"""Optimisation: parameter groups, optimizers (AdamW, SGD, LAMB), the learning-rate schedule
+and the EMA of the weights."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lgvit.config import TrainConfig
+
+
+def lr_at(
+    step: int,
+    total_steps: int,
+    warmup_steps: int,
+    cfg: TrainConfig,
+    base_lr: float,
+    steps_per_epoch: int = 1,
+) -> float:
+    """Linear warm-up from warmup_lr, then (``sched``) per-step cosine decay from base_lr to
+    min_lr, a per-step linear decay from base_lr to min_lr, a step decay by ``decay_rate``
+    every ``decay_epochs``, or a constant base_lr."""
+    if step < warmup_steps:
+        return cfg.warmup_lr + (base_lr - cfg.warmup_lr) * step / warmup_steps
+    if cfg.sched == "none":
+        return base_lr
+    if cfg.sched == "step":
+        epochs = step / max(steps_per_epoch, 1)
+        return max(base_lr * cfg.decay_rate ** math.floor(epochs / cfg.decay_epochs), cfg.min_lr)
+    t = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    if cfg.sched == "linear":
+        return cfg.min_lr + (base_lr - cfg.min_lr) * (1.0 - min(t, 1.0))
+    return cfg.min_lr + 0.5 * (base_lr - cfg.min_lr) * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020): Adam's update with decoupled weight decay, scaled per tensor by
+    the trust ratio ``||w|| / ||update||`` (1 where either norm is zero), as timm's ``lamb``."""
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.0) -> None:  # fmt: skip
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    st["m"] = torch.zeros_like(p)
+                    st["v"] = torch.zeros_like(p)
+                st["step"] += 1
+                st["m"].lerp_(p.grad, 1 - b1)
+                st["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                m_hat = st["m"] / (1 - b1 ** st["step"])
+                v_hat = st["v"] / (1 - b2 ** st["step"])
+                update = m_hat / (v_hat.sqrt() + group["eps"])
+                if group["weight_decay"]:
+                    update.add_(p, alpha=group["weight_decay"])
+                w_norm, u_norm = p.norm(), update.norm()
+                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
+                p.add_(update * trust, alpha=-group["lr"])
+        return None
+
+
+def build_optimizer(
+    cfg: TrainConfig, groups: list[dict[str, Any]], lr: float, device: torch.device
+) -> torch.optim.Optimizer:
+    """``opt``: AdamW (the papers'), SGD with Nesterov momentum, or LAMB."""
+    if cfg.opt == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True)
+    if cfg.opt == "lamb":
+        return Lamb(groups, lr=lr, betas=tuple(cfg.opt_betas), eps=cfg.opt_eps)
+    fused = {"fused": True} if device.type in ("cpu", "cuda") else {}
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.opt_betas), eps=cfg.opt_eps, **fused)
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float, offset_lr_factor: float = 1.0
+) -> list[dict[str, Any]]:
+    """Weight decay on weights only: not on position embeddings, norms or biases (DeiT).
+
+    Sampling-offset weights (``*offset_conv.weight``, LIT's deformable token merging) train at
+    ``offset_lr_factor`` x the learning rate, with weight decay, as the LIT authors' code does;
+    their biases stay at the full rate without decay. ``lr_scale`` carries the factor.
+    """
+    skip = set(getattr(model, "no_weight_decay", set)())
+    decay, no_decay, offsets = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if name.endswith("offset_conv.weight"):
+            offsets.append(p)
+        elif p.ndim <= 1 or name in skip:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "lr_scale": 1.0},
+        {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
+    ]
+    if offsets:
+        groups.append(
+            {"params": offsets, "weight_decay": weight_decay, "lr_scale": offset_lr_factor}
+        )
+    return groups
+
+
+class ModelEma:
+    """Exponential moving average of the weights (off by default, as in the paper)."""
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        self.decay = decay
+        self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        for k, v in model.state_dict().items():
+            if v.dtype.is_floating_point:
+                self.shadow[k].lerp_(v.detach(), 1 - self.decay)
+            else:
+                self.shadow[k].copy_(v)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.shadow

@@ -1,0 +1,34 @@
+"""Shared test helpers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def one_epoch(tmp_path):
+    """``one_epoch(model, batches, optimizer, cfg, epoch=0, schedule=None)``: one training epoch
+    of the classification task on the shared engine, with no data set, run directory or saves
+    (a plain list of ``(x, y)`` batches as the loader); returns ``(mean loss, images, step)``."""
+    from lgvit.engine import Optimisation, Prepared, Run, RunLog, train_one_epoch
+    from lgvit.preempt import RunControl
+    from lgvit.progress import RunClock
+    from lgvit.runtime import Dist
+    from lgvit.train import ClassificationTask
+
+    def run_epoch(model, batches, optimizer, cfg, epoch=0, schedule=None, img_size=0):
+        d = Dist()
+        cfg.out = str(tmp_path)
+        task = ClassificationTask(cfg=cfg, img_size=img_size)
+        schedule = schedule or dict(total_steps=len(batches), warmup_steps=0, cfg=cfg,
+                                    base_lr=optimizer.param_groups[0]["lr"])  # fmt: skip
+        prepared = Prepared(model, batches, [], {}, "test")
+        opt = Optimisation(optimizer, None, None, schedule)
+        clock = RunClock(len(batches), 0, len(batches))
+        run = Run(cfg, task, d, Path(tmp_path), RunLog(Path(tmp_path), False),
+                  RunControl(cfg, d), prepared, None, opt, model, clock)  # fmt: skip
+        return train_one_epoch(run, epoch, 0)
+
+    return run_epoch

@@ -1,0 +1,104 @@
+"""The package's shape, checked from its source: no import cycle, evaluation and benchmarking
+never import the training modules, and no module or function grows past what one reads in a
+sitting (docs/architecture.md is the map)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+MAX_MODULE_LINES = 950
+MAX_TRAINING_MODULE_LINES = 700
+MAX_FUNCTION_LINES = 90
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in (SRC / "lgvit").rglob("*.py"):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
+    """lgvit modules ``tree`` imports, at any depth (lazy imports inside functions count)."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                     for a in node.names]  # fmt: skip
+        for name in names:
+            target = _resolve(name) if name.startswith("lgvit") else None
+            if target and target != module:
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    return {
+        m: _imports(ast.parse(p.read_text()), m, p.name == "__init__.py")
+        for m, p in MODULES.items()
+    }
+
+
+def _reachable(graph: dict[str, set[str]], start: set[str]) -> set[str]:
+    seen, todo = set(), list(start)
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += graph.get(m, ())
+    return seen
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    for m in graph:
+        back = [n for n in graph[m] if m in _reachable(graph, {n})]
+        assert not back, f"{m} imports {back}, which import {m} back"
+
+
+def test_eval_bench_predict_never_import_training():
+    graph = _graph()
+    cli = ast.parse(MODULES["lgvit.cli"].read_text())
+    for fn in ("cmd_eval", "cmd_bench", "cmd_predict"):
+        node = next(n for n in cli.body if isinstance(n, ast.FunctionDef) and n.name == fn)
+        reach = _reachable(graph, _imports(node, "lgvit.cli", False))
+        assert not reach & {"lgvit.train", "lgvit.engine"}, (fn, sorted(reach))
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_module_and_function_sizes(module):
+    path = MODULES[module]
+    text = path.read_text()
+    training = module in ("lgvit.train", "lgvit.engine")  # the loop and the task
+    limit = MAX_TRAINING_MODULE_LINES if training else MAX_MODULE_LINES
+    assert text.count("\n") <= limit, f"{path}: {text.count(chr(10))} lines"
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            if node.name == "build_parser" or node.name.startswith("_add_"):
+                continue  # argparse builders: one line per flag
+            n = node.end_lineno - node.lineno + 1
+            assert n <= MAX_FUNCTION_LINES, f"{path}:{node.lineno} {node.name} is {n} lines"
