@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import sys
 import tempfile
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -26,7 +24,11 @@ from PIL import Image
 from sklearn.datasets import load_sample_image
 from torchvision.io import ImageReadMode, decode_image, read_file
 
-from lgvit.measure import describe_machine
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from harness import alternate_fns  # noqa: E402
+
+from lgvit.measure import describe_machine  # noqa: E402
 
 
 def _pil_decode(path: str) -> torch.Tensor:
@@ -45,18 +47,6 @@ def _float_resize(x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:  # lgvi
 
 def _tv_resize(x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
     return TF.resize(x, list(hw), interpolation=TF.InterpolationMode.BICUBIC, antialias=True)
-
-
-def _alternate(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for f in fns.values():
-        f()
-    for _ in range(rounds):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t0)
-    return {k: 1000 * statistics.median(v) for k, v in times.items()}
 
 
 def main() -> None:
@@ -78,7 +68,7 @@ def main() -> None:
         for kind, path in paths.items():
             same = torch.equal(_pil_decode(path), _tv_decode(path))
             fns = {"pil": lambda p=path: _pil_decode(p), "tv": lambda p=path: _tv_decode(p)}
-            ms = _alternate(fns, args.rounds)
+            ms = alternate_fns(fns, args.rounds)
             print(f"| decode {kind} 427x640 | {ms['pil']:.2f} | {ms['tv']:.2f} | "
                   f"{ms['pil'] / ms['tv']:.2f}x | {same} |")  # fmt: skip
         x = _tv_decode(paths["jpeg"])[None]
@@ -90,8 +80,8 @@ def main() -> None:
             k: int((f(x, hw).int() - pil.int()).abs().max())
             for k, f in (("before", _float_resize), ("tv", _tv_resize))
         }
-        ms = _alternate({"before": lambda: _float_resize(x, hw), "tv": lambda: _tv_resize(x, hw)},
-                        args.rounds)  # fmt: skip
+        fns = {"before": lambda: _float_resize(x, hw), "tv": lambda: _tv_resize(x, hw)}
+        ms = alternate_fns(fns, args.rounds)
         print(f"| resize 427x640 -> {hw[0]}x{hw[1]} | {ms['before']:.2f} | {ms['tv']:.2f} | "
               f"{ms['before'] / ms['tv']:.2f}x | max diff from PIL: before {off['before']}, "
               f"torchvision {off['tv']} levels |")  # fmt: skip

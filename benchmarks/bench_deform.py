@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import sys
 
 import torch
 
-from lgvit.measure import describe_machine, time_fn
-from lgvit.models.layers.deform import deform_conv2d
-from lgvit.runtime import cpu_bf16_support, tune_cpu_allocator
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from harness import alternate_fns  # noqa: E402
+
+from lgvit.measure import describe_machine  # noqa: E402
+from lgvit.models.layers.deform import deform_conv2d  # noqa: E402
+from lgvit.runtime import cpu_bf16_support, tune_cpu_allocator  # noqa: E402
 
 # (map side, in channels, out channels) of LIT-Ti's three merges.
 LIT_TI_MERGES = ((56, 64, 128), (28, 128, 320), (14, 320, 512))
@@ -61,13 +66,7 @@ def measure(batch: int, rounds: int, precisions: list[str]) -> list[dict]:
                     impl: _step(inputs, impl == "torchvision", backward, prec == "bf16")
                     for impl in ("pure", "torchvision")
                 }
-                for run in steps.values():
-                    run()  # warm-up
-                times = {impl: [] for impl in steps}
-                for _ in range(rounds):
-                    for impl, run in steps.items():  # alternate the two
-                        times[impl].append(time_fn(run, warmup=0, repeats=1))
-                ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
+                ms = alternate_fns(steps, rounds)
                 rows.append(
                     dict(
                         shape=f"{side}x{side}x{cin}->{cout}",

@@ -203,6 +203,20 @@ def alternate(
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def alternate_fns(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """In-process: median milliseconds of each function, timed once a round, round after round
+    (each is run once first, untimed, as warm-up)."""
+    for f in fns.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: 1000 * statistics.median(v) for k, v in times.items()}
+
+
 def results_table(medians: dict[Key, float]) -> list[dict[str, Any]]:
     rows = []
     print(f"\n{'impl':8s} {'model':22s} {'mode':5s} {'prec':4s} {'batch':>5s} {'img/s':>8s}")

@@ -51,9 +51,9 @@ class Prepared:
     every checkpoint carries, and the run's description for the log."""
 
     model: nn.Module
-    train_loader: (
-        Any  # iterable of batches with __len__, set_epoch(epoch, batch, state), aug_state()
-    )
+    # The loaders: iterables of batches with __len__, set_epoch(epoch, batch, state) and
+    # aug_state() (so a mid-epoch resume continues the augmentation stream exactly).
+    train_loader: Any
     test_loader: Any
     metadata: dict[str, str]
     description: str
@@ -201,8 +201,8 @@ class _NonFinite:
         self.count_dev = torch.zeros((), dtype=torch.int64, device=d.device)
         self.count = 0
 
-    def skip_on_host(self, loss: torch.Tensor, epoch: int, i: int) -> bool:
-        """Before the step: True when the host must skip it (after warning once per step)."""
+    def before_step(self, loss: torch.Tensor, epoch: int, i: int) -> bool:
+        """Before the step (gradients cleared): True when the host skips it, with a warning."""
         self.opt.optimizer.zero_grad(set_to_none=True)
         if self.on_device:
             # The fused step reads `found_inf` in its kernel and leaves the weights and its
@@ -257,7 +257,7 @@ def train_one_epoch(
     for i, batch in enumerate(loader, start=start.batch):
         lr = run.opt.set_lr(step)
         loss, n = run.task.loss(run.net, batch, epoch, d, run.amp)
-        if nonfinite.skip_on_host(loss, epoch, i):
+        if nonfinite.before_step(loss, epoch, i):
             continue
         run.opt.step(run.net, loss, cfg.clip_grad)
         loss_sum += nonfinite.finite_part(loss).to(sum_dtype)

@@ -286,7 +286,7 @@ def random_resized_crop(
 def _resize(x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
     """Bicubic, antialiased, uint8 in and out: torchvision's resize, whose uint8 kernel stays
     within one level of PIL's (timm's eval transform) where float interpolation + rounding was
-    up to 4 off, and ran 3.8x faster (``benchmarks/bench_decode.py``)."""
+    up to 4 off, and ran 3.8-5.5x faster (four runs of ``benchmarks/bench_decode.py``)."""
     if tuple(x.shape[-2:]) == hw:
         return x
     return TF.resize(x, list(hw), interpolation=TF.InterpolationMode.BICUBIC, antialias=True)
