@@ -1,6 +1,6 @@
 """The model contract: every registered model, whatever its family, passes these checks.
 
-Each model runs at the small ``test_input_size`` its config stores. Models are built once per
+Each model runs at the small ``smoke_input_size`` its config stores. Models are built once per
 name (a module-scoped fixture, so pytest runs all checks of one model together).
 """
 
@@ -22,8 +22,8 @@ def built(request):
     name = request.param
     cfg = lgvit.get_model_config(name)
     torch.manual_seed(0)
-    model = lgvit.create_model(name, num_classes=7, img_size=cfg.test_input_size[-1])
-    x = torch.randn(3, *cfg.test_input_size)
+    model = lgvit.create_model(name, num_classes=7, img_size=cfg.smoke_input_size[-1])
+    x = torch.randn(3, *cfg.smoke_input_size)
     return name, model, x
 
 
@@ -73,7 +73,7 @@ def test_features_only(built):
     n = len(model.feature_info)
     take = [0, n - 1] if n > 1 else [0]
     fm = lgvit.create_model(
-        name, img_size=cfg.test_input_size[-1], features_only=True, out_indices=take
+        name, img_size=cfg.smoke_input_size[-1], features_only=True, out_indices=take
     ).eval()
     with torch.no_grad():
         maps = fm(x[:1])
@@ -104,7 +104,7 @@ def test_no_weight_decay_names_exist(built):
 def test_position_embeddings_resize_on_load(built):
     name, model, x = built
     cfg = lgvit.get_model_config(name)
-    big = lgvit.create_model(name, num_classes=7, img_size=2 * cfg.test_input_size[-1])
+    big = lgvit.create_model(name, num_classes=7, img_size=2 * cfg.smoke_input_size[-1])
     res = big.load_state_dict(model.state_dict())
     assert not res.missing_keys and not res.unexpected_keys
     with torch.no_grad():

@@ -107,6 +107,10 @@ def test_timm_data_config_and_transform_give_our_preprocessing(name, photo):
     m = lgvit.create_model(name)
     cfg = resolve_data_config({}, model=m)
     pc = m.pretrained_cfg
+    # timm evaluates at test_input_size when a model has one: ours evaluate at the trained size
+    # (the test suite's small size is not a pretrained_cfg key)
+    assert "test_input_size" not in pc
+    assert resolve_data_config({}, model=m, use_test_size=True)["input_size"] == pc["input_size"]
     assert cfg["input_size"] == pc["input_size"] and cfg["crop_pct"] == pc["crop_pct"]
     assert cfg["mean"] == pc["mean"] and cfg["std"] == pc["std"]
     assert cfg["interpolation"] == pc["interpolation"] and cfg["crop_mode"] == pc["crop_mode"]

@@ -23,6 +23,7 @@ One writer per stem at a time (in DDP, rank 0): a successful save deletes leftov
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import random
@@ -336,6 +337,26 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
 def load_metadata(path: str | Path) -> dict[str, str]:
     """The string metadata stored in a checkpoint's safetensors header."""
     return _read_safetensors(_resolve_weights_path(Path(path)))[1]
+
+
+def check_same_classes(stem: Path, meta: dict[str, str]) -> None:
+    """The data must give the classes (names and order: the label indices) the run trained
+    with; otherwise every label would silently mean another class."""
+    saved = load_metadata(stem).get("classes")
+    now = meta.get("classes")
+    if saved and now and json.loads(saved) != json.loads(now):
+        was, new = json.loads(saved), json.loads(now)
+        diff = next((i for i, (a, b) in enumerate(zip(was, new, strict=False)) if a != b), None)
+        where = (
+            f"class {diff} was {was[diff]!r}, is now {new[diff]!r}"
+            if diff is not None
+            else f"{len(was)} classes then, {len(new)} now"
+        )
+        raise LgvitError(
+            f"--resume {stem}: the data's classes differ from the run's ({where}; class "
+            "folders now sort as timm's, 2 before 10); start a new run from its weights with "
+            f"--initial-checkpoint {stem}"
+        )
 
 
 def _torch_load(path: Path) -> Any:

@@ -170,44 +170,88 @@ TIMM_FLAGS: dict[str, tuple[str, Any, str]] = {
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-
-    from lgvit.data.datasets import load_dataset
+    from lgvit.data.datasets import FileImageSet, load_test_split
     from lgvit.data.loader import AugmentConfig
     from lgvit.data.stream import make_loader
-    from lgvit.evaluate import evaluate
-    from lgvit.inference import load_model
+    from lgvit.evaluate import (
+        RealLabels,
+        TopKRecorder,
+        evaluate,
+        real_accuracy,
+        write_predictions,
+    )
+    from lgvit.inference import load_model, resolve_preprocessing
     from lgvit.runtime import Dist, resolve_amp
 
+    real = RealLabels(args.real_labels) if args.real_labels else None  # bad file: fail first
     model = load_model(args.checkpoint, args.device, args.model, args.img_size)
     device = next(model.parameters()).device
-    size = model.img_size[0]
-    splits = load_dataset(args.data, args.data_dir, img_size=size, cache_dir=args.cache_dir)
-    n_data, n_head = len(splits.test.classes), model.num_classes
+    pre = resolve_preprocessing(model, crop_pct=args.crop_pct, interpolation=args.interpolation,
+                                mean=args.mean, std=args.std)  # fmt: skip
+    split = load_test_split(args.data, args.data_dir, img_size=pre.size,
+                            cache_dir=args.cache_dir, class_map=args.class_map)  # fmt: skip
+    _check_eval_classes(args, model, split.classes)
+    files = isinstance(split, FileImageSet)
+    names = split.paths if files else [f"{args.data}/test/{i}" for i in range(len(split))]
+    real_sets = real.for_images(names, model.num_classes) if real else None
+    aug = AugmentConfig(img_size=pre.size, crop_pct=pre.crop_pct,
+                        interpolation=pre.interpolation, mean=pre.mean, std=pre.std)  # fmt: skip
+    loader = make_loader(split, args.batch_size, num_classes=len(split.classes), train=False,
+                         aug=aug, with_index=True, workers=args.workers)  # fmt: skip
+    if not args.json:
+        print(f"preprocessing: {pre.describe()}", flush=True)
+    recorder = TopKRecorder(k=5)
+    amp = resolve_amp(args.amp, device)
+    res = evaluate(model, loader, len(split.classes), Dist(device=device), amp, tta=args.tta,
+                   on_batch=recorder)  # fmt: skip
+    idx, labels, top, probs = recorder.result()
+    res.update(checkpoint=str(args.checkpoint), data=args.data, images=len(split),
+               unreadable=len(split) - len(idx), preprocessing=pre.to_dict(),
+               classes=list(split.classes))  # fmt: skip
+    if real_sets is not None:
+        res.update(real_accuracy(top, [real_sets[i] for i in idx.tolist()]))
+    if args.predictions:
+        write_predictions(args.predictions, [names[i] for i in idx.tolist()], labels, top, probs)
+        res["predictions"] = str(args.predictions)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        _print_eval(args, res)
+    return 0
+
+
+def _check_eval_classes(args: argparse.Namespace, model: Any, classes: Sequence[str]) -> None:
+    """The data's classes must be the head's: as many, and (when the checkpoint names them) the
+    same names in the same order unless ``--any-classes``."""
+    n_data, n_head = len(classes), model.num_classes
     if n_data != n_head:
         raise LgvitError(
             f"{args.checkpoint} has a {n_head}-class head but {args.data} has {n_data} classes; "
-            "fine-tune it with `lgvit train` or evaluate on a dataset with the same classes"
+            "fine-tune it with `lgvit train`, evaluate on a dataset with the same classes, or "
+            "give the class indices with --class-map"
         )
     trained_on = model.pretrained_cfg.get("label_names")
-    if trained_on and list(trained_on) != list(splits.test.classes) and not args.any_classes:
+    if trained_on and list(trained_on) != list(classes) and not args.any_classes:
         raise LgvitError(
             f"{args.checkpoint} was trained on classes {_preview(trained_on)} but {args.data} "
-            f"has {_preview(splits.test.classes)}; pass --any-classes to evaluate anyway"
+            f"has {_preview(classes)}; pass --any-classes to evaluate anyway (class i of the "
+            "data is then class i of the model)"
         )
-    aug = AugmentConfig(img_size=size, mean=tuple(splits.mean), std=tuple(splits.std))
-    loader = make_loader(splits.test, args.batch_size, num_classes=n_data, train=False, aug=aug)
-    d = Dist(device=device)
-    res = evaluate(model, loader, n_data, d, resolve_amp(args.amp, device), tta=args.tta)
-    res["classes"] = list(splits.test.classes)
-    res["checkpoint"] = str(args.checkpoint)
-    if args.json:
-        print(json.dumps(res, indent=2))
-        return 0
+
+
+def _print_eval(args: argparse.Namespace, res: dict[str, Any]) -> None:
     print(f"{args.checkpoint} on {args.data} ({res['count']} test images)")
-    for cls, acc in zip(res["classes"], res["per_class_acc"], strict=True):
-        print(f"  {cls:20s} {acc:6.2f}%")
+    if res["unreadable"]:
+        print(f"  {res['unreadable']} unreadable image(s) left out")
+    if len(res["classes"]) <= 100:  # ImageNet's thousand rows are in --json
+        for cls, acc in zip(res["classes"], res["per_class_acc"], strict=True):
+            print(f"  {cls:20s} {acc:6.2f}%")
     print(f"top-1 {res['acc1']:.2f}%  top-5 {res['acc5']:.2f}%  loss {res['loss']:.4f}")
-    return 0
+    if "real_acc1" in res:
+        print(f"ReaL top-1 {res['real_acc1']:.2f}%  top-5 {res['real_acc5']:.2f}%  "
+              f"({res['real_count']} images with ReaL labels)")  # fmt: skip
+    if "predictions" in res:
+        print(f"predictions: {res['predictions']}")
 
 
 def _preview(names: Sequence[str], n: int = 3) -> str:
@@ -413,14 +457,33 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(*names, type=kind, help=text)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="top-1/top-5/loss/per-class accuracy of a checkpoint")
+    p = sub.add_parser(
+        "eval",
+        help="top-1/top-5 (and ImageNet-ReaL) accuracy of a checkpoint",
+        description="Evaluate as the model was trained: its input size, crop_pct, "
+        "interpolation and mean/std (from the checkpoint, or the registered model's for a "
+        ".pth), each overridable with timm's validate.py flags. An image folder is read from "
+        "its files: val/ or test/, or a folder of class folders (ImageNet-V2).",
+    )
     p.add_argument("--model", help="default: the name stored in the checkpoint")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--data", required=True, choices=DATASETS)
     p.add_argument("--data-dir")
     p.add_argument("--cache-dir")
     p.add_argument("--img-size", type=int, help="default: the size it was trained at")
+    p.add_argument("--crop-pct", type=float, help="default: the model's (e.g. 0.875, 0.9)")
+    p.add_argument("--interpolation", help="bicubic | bilinear | nearest (default: the model's)")
+    p.add_argument("--mean", type=float, nargs=3, metavar="V", help="default: the model's")
+    p.add_argument("--std", type=float, nargs=3, metavar="V", help="default: the model's")
+    p.add_argument("--class-map", help="class index per folder name: one name per line, or "
+                   "'name index' lines (default: folders in natural order)")  # fmt: skip
+    p.add_argument("--real-labels", metavar="FILE",
+                   help="ImageNet-ReaL's real.json: also report ReaL top-1/top-5")  # fmt: skip
+    p.add_argument("--predictions", metavar="FILE",
+                   help="write a CSV: image, label, top-5 classes and probabilities")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("-j", "--workers", type=int, default=2,
+                   help="decoding processes for an image folder (default 2)")  # fmt: skip
     p.add_argument("--amp", choices=["auto", "bf16", "none"], default="auto")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: CUDA if any)")
     p.add_argument("--json", action="store_true")

@@ -27,6 +27,7 @@ import torch.nn as nn
 from lgvit.atomic import atomic_save_safetensors, atomic_write_bytes
 from lgvit.checkpoint import (
     build_train_state,
+    check_same_classes,
     checkpoint_paths,
     load_checkpoint_pair,
     load_initial_weights,
@@ -553,6 +554,8 @@ def _start(
     seed_everything(cfg.seed + d.rank)
     prepared = task.prepare(cfg, d)
     model = prepared.model
+    if stem is not None:
+        check_same_classes(stem, prepared.meta)
     if weights is not None:
         model.load_state_dict(weights)
     elif cfg.initial_checkpoint:

@@ -1,17 +1,26 @@
 """Classification evaluation: top-1/top-5, loss and per-class accuracy over a test split (all
-ranks), with optional test-time augmentation. ``lgvit eval`` and training share it."""
+ranks), with optional test-time augmentation. ``lgvit eval`` and training share it; ``lgvit
+eval`` also records each image's top-5 (:class:`TopKRecorder`) for ImageNet-ReaL accuracy
+(:class:`RealLabels`) and the predictions file."""
 
 from __future__ import annotations
 
+import csv
+import io
+import json
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lgvit.atomic import atomic_write_bytes
 from lgvit.config import TTA_MODES
 from lgvit.data.loader import BatchLoader
-from lgvit.errors import LgvitError
+from lgvit.errors import LgvitError, first_line
 from lgvit.progress import StepProgress, on_terminal
 from lgvit.runtime import Dist, all_reduce_sum, autocast
 
@@ -45,10 +54,12 @@ def evaluate(
     amp: torch.dtype | None,
     desc: str = "eval",
     tta: str = "none",
+    on_batch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None = None,
 ) -> dict[str, Any]:
     """Top-1, top-5, loss and per-class accuracy over the whole test split (all ranks); a
     progress bar on a terminal (rank 0). ``tta``: test-time augmentation, see :func:`tta_logits`
-    (the short-budget CIFAR recipes')."""
+    (the short-budget CIFAR recipes'). ``on_batch(logits, labels, indices)`` sees every batch
+    (``indices``: the images' places in the split, from a loader built ``with_index``)."""
     if tta not in TTA_MODES:
         raise LgvitError(f"tta={tta!r}: must be one of {', '.join(TTA_MODES)}")
     model.eval()
@@ -59,10 +70,12 @@ def evaluate(
     count = torch.zeros((), dtype=torch.float64)
     per_class = torch.zeros(2, num_classes, dtype=torch.float64)  # correct, seen
     k = min(5, num_classes)
-    for x, y in loader:
-        x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
+    for batch in loader:
+        x, y = batch[0].to(d.device, non_blocking=True), batch[1].to(d.device, non_blocking=True)
         with autocast(d.device, amp):
             logits = tta_logits(model, x, tta)
+        if on_batch is not None:
+            on_batch(logits, y, batch[2] if len(batch) > 2 else None)
         loss_sum += F.cross_entropy(logits, y, reduction="sum").double().cpu()
         top = logits.topk(k, dim=1).indices
         hit1 = (top[:, 0] == y).double().cpu()
@@ -85,4 +98,116 @@ def evaluate(
         "loss": ls / n,
         "count": int(n),
         "per_class_acc": (100.0 * pc[0] / pc[1].clamp(min=1)).tolist(),
+    }
+
+
+class TopKRecorder:
+    """``on_batch`` for :func:`evaluate`: each image's label and its ``k`` most probable classes
+    with their softmax probabilities, in split order (:meth:`result`)."""
+
+    def __init__(self, k: int = 5) -> None:
+        self.k = k
+        self._parts: list[tuple[torch.Tensor, ...]] = []
+
+    def __call__(self, logits: torch.Tensor, y: torch.Tensor, idx: torch.Tensor | None) -> None:
+        if idx is None:
+            raise LgvitError("TopKRecorder needs a loader built with with_index=True")
+        top = logits.float().softmax(-1).topk(min(self.k, logits.shape[-1]), dim=-1)
+        self._parts.append((idx.cpu(), y.cpu(), top.indices.cpu(), top.values.cpu()))
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(index (N,), label (N,), top classes (N, k), their probabilities (N, k))``."""
+        idx, y, top, p = (torch.cat(t) for t in zip(*self._parts, strict=True))
+        order = idx.argsort()
+        return idx[order], y[order], top[order], p[order]
+
+
+def write_predictions(
+    path: str | Path,
+    names: Sequence[str],
+    labels: torch.Tensor,
+    top: torch.Tensor,
+    probs: torch.Tensor,
+) -> None:
+    """One CSV row per image: its name, true label, top-k class indices, their probabilities
+    (written atomically)."""
+    k = top.shape[1]
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["image", "label", *(f"top{i}" for i in range(1, k + 1)),
+                *(f"prob{i}" for i in range(1, k + 1))])  # fmt: skip
+    for name, y, t, p in zip(names, labels.tolist(), top.tolist(), probs.tolist(), strict=True):
+        w.writerow([name, y, *t, *(f"{v:.6g}" for v in p)])
+    try:
+        atomic_write_bytes(path, buf.getvalue().encode())
+    except OSError as e:
+        raise LgvitError(f"--predictions {path}: cannot write it ({first_line(e)})") from None
+
+
+# ImageNet's validation images are ILSVRC2012_val_00000001.JPEG ... _00050000; ReaL's JSON list
+# holds their label sets in that order.
+_REAL_NAME = re.compile(r"ILSVRC2012_val_(\d{8})")
+
+
+class RealLabels:
+    """ImageNet-ReaL's labels (Beyer et al. 2020, ``real.json``): a JSON list with one list of
+    class indices per validation image, in the order of the ``ILSVRC2012_val_XXXXXXXX`` file
+    names. Scored as timm's ``RealLabelsImagenet``: a prediction is right when it is in the
+    image's list; images whose list is empty are left out."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise LgvitError(
+                f"--real-labels {path}: not a readable JSON file ({first_line(e)})"
+            ) from None
+        if not isinstance(data, list) or not data:
+            raise LgvitError(f"--real-labels {path}: expected a JSON list of label lists")
+        for i, labels in enumerate(data):
+            ok = isinstance(labels, list) and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in labels
+            )
+            if not ok:
+                raise LgvitError(
+                    f"--real-labels {path}: entry {i} (ILSVRC2012_val_{i + 1:08d}) is "
+                    f"{json.dumps(labels)[:60]}, not a list of class indices"
+                )
+        self.labels: list[list[int]] = data
+
+    def for_images(self, names: Sequence[str], num_classes: int) -> list[list[int]]:
+        """Each image's label set, matched by its file name (``..._00000042.*`` -> entry 41)."""
+        out = []
+        for name in names:
+            m = _REAL_NAME.search(Path(name).name)
+            i = int(m.group(1)) - 1 if m else -1
+            if not 0 <= i < len(self.labels):
+                raise LgvitError(
+                    f"--real-labels {self.path}: no entry for image {name} (ReaL labels "
+                    f"ILSVRC2012_val_00000001 ... _{len(self.labels):08d} by file name)"
+                )
+            if any(v >= num_classes for v in self.labels[i]):
+                raise LgvitError(
+                    f"--real-labels {self.path}: entry {i} has class {max(self.labels[i])}, "
+                    f"beyond the model's {num_classes} classes"
+                )
+            out.append(self.labels[i])
+        return out
+
+
+def real_accuracy(top: torch.Tensor, label_sets: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """ReaL top-1 / top-5 (%) of predictions ``top`` ``(N, k)`` against each image's label
+    set; images with an empty set are left out (``real_count`` says how many stayed)."""
+    hit1 = hit5 = n = 0
+    for pred, real in zip(top.tolist(), label_sets, strict=True):
+        if not real:
+            continue
+        n += 1
+        hit1 += pred[0] in real
+        hit5 += any(p in real for p in pred[:5])
+    return {
+        "real_acc1": 100.0 * hit1 / max(n, 1),
+        "real_acc5": 100.0 * hit5 / max(n, 1),
+        "real_count": n,
     }

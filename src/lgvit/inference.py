@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -67,16 +70,82 @@ def load_model(
     return model.to(resolve_device(device)).eval()
 
 
+@dataclass(frozen=True)
+class Preprocessing:
+    """How an image becomes a model input at evaluation (timm's data config): resize the
+    shorter side to ``floor(size / crop_pct)`` with ``interpolation``, centre-crop ``size``,
+    normalise by ``mean``/``std`` (``[0, 1]`` units). An image already ``size x size`` is
+    taken as it is (CIFAR at 32 px)."""
+
+    input_size: tuple[int, int, int]
+    crop_pct: float
+    crop_mode: str
+    interpolation: str
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    @property
+    def size(self) -> int:
+        return self.input_size[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """One line, as ``lgvit eval`` prints it."""
+        resize = math.floor(self.size / self.crop_pct)
+        fmt = lambda v: "(" + ", ".join(f"{x:.4g}" for x in v) + ")"  # noqa: E731
+        return (
+            f"{self.size}x{self.size}: shorter side to {resize} ({self.interpolation}, crop_pct "
+            f"{self.crop_pct:g}), centre crop; mean {fmt(self.mean)}, std {fmt(self.std)}"
+        )
+
+
+def resolve_preprocessing(
+    model: nn.Module,
+    *,
+    crop_pct: float | None = None,
+    interpolation: str | None = None,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+) -> Preprocessing:
+    """The model's own preprocessing (its ``pretrained_cfg``: the registered defaults, or what
+    its checkpoint was trained with), each value overridable as timm's ``validate.py`` flags do.
+    The input size is the model's (build it at another ``img_size`` to change it)."""
+    from lgvit.data.transforms import INTERPOLATIONS
+
+    cfg = model.pretrained_cfg
+    pre = Preprocessing(
+        input_size=tuple(cfg["input_size"]),
+        crop_pct=float(cfg["crop_pct"] if crop_pct is None else crop_pct),
+        crop_mode=str(cfg.get("crop_mode", "center")),
+        interpolation=str(cfg["interpolation"] if interpolation is None else interpolation),
+        mean=tuple(float(v) for v in (cfg["mean"] if mean is None else mean)),
+        std=tuple(float(v) for v in (cfg["std"] if std is None else std)),
+    )
+    if not 0 < pre.crop_pct <= 1:
+        raise LgvitError(f"crop_pct {pre.crop_pct:g}: must be in (0, 1]")
+    if pre.interpolation not in INTERPOLATIONS:
+        raise LgvitError(
+            f"interpolation {pre.interpolation!r}: must be one of {', '.join(INTERPOLATIONS)}"
+        )
+    if pre.crop_mode != "center":
+        raise LgvitError(f"crop_mode {pre.crop_mode!r}: only 'center' is implemented")
+    if len(pre.mean) != 3 or len(pre.std) != 3 or min(pre.std) <= 0:
+        raise LgvitError(f"mean {pre.mean} / std {pre.std}: need 3 values each (RGB), std positive")
+    return pre
+
+
 def preprocess_images(model: nn.Module, paths: Sequence[str]) -> torch.Tensor:
-    """Image files -> the normalised ``(N, C, H, W)`` batch ``model`` expects: resize and
-    centre crop by its ``crop_pct``, its mean/std (those it was trained with, for a model
-    from a checkpoint). An unreadable file is an :class:`LgvitError` naming it."""
+    """Image files -> the normalised ``(N, C, H, W)`` batch ``model`` expects: its
+    :func:`resolve_preprocessing` (what it was trained with, for a model from a checkpoint).
+    An unreadable file is an :class:`LgvitError` naming it."""
     from lgvit.data.decode import read_image_rgb
     from lgvit.data.transforms import normalize, resize_center_crop
 
-    cfg = model.pretrained_cfg
-    size = cfg["input_size"][-2]
+    pre = resolve_preprocessing(model)
     crops = [
-        resize_center_crop(read_image_rgb(p)[None], size, crop_pct=cfg["crop_pct"]) for p in paths
+        resize_center_crop(read_image_rgb(p)[None], pre.size, pre.crop_pct, pre.interpolation)
+        for p in paths
     ]
-    return normalize(torch.cat(crops), tuple(cfg["mean"]), tuple(cfg["std"]))
+    return normalize(torch.cat(crops), pre.mean, pre.std)

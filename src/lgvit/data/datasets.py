@@ -33,7 +33,7 @@ from lgvit.data.archives import safe_extract
 from lgvit.data.builtin import DIGITS_TEST, load_digits, load_synthetic
 from lgvit.data.cifar import CIFAR10_CLASSES, CIFAR_SPECS, load_cifar, safe_unpickle
 from lgvit.data.decode import read_image_rgb
-from lgvit.data.imagefolder import load_imagefolder
+from lgvit.data.imagefolder import load_class_map, load_imagefolder, load_test_folder
 from lgvit.data.splits import DatasetSplits, FileImageSet, ImageSet
 from lgvit.errors import LgvitError
 
@@ -55,6 +55,7 @@ __all__ = [
     "dataset_names",
     "default_cache_dir",
     "load_dataset",
+    "load_test_split",
     "read_image_rgb",
     "safe_extract",
     "safe_unpickle",
@@ -129,3 +130,31 @@ def load_dataset(
     if key == "digits":
         return load_digits(img_size or 32)
     return load_synthetic(img_size or 32, synthetic_size, num_classes, seed)
+
+
+def load_test_split(
+    name: str,
+    data_dir: str | None = None,
+    *,
+    img_size: int | None = None,
+    cache_dir: str | None = None,
+    class_map: str | None = None,
+) -> ImageSet | FileImageSet:
+    """The split ``lgvit eval`` evaluates. An ``imagefolder`` is read from its files (each image
+    preprocessed from the original, as timm's validation does, and named in the results): its
+    ``val/`` or ``test/`` folder, or ``data_dir`` itself as a folder of class folders (no
+    ``train/`` needed: ImageNet-V2's layout); ``class_map`` (timm's ``--class-map`` file) fixes
+    the class indices. Other datasets: their test split (see :func:`load_dataset`)."""
+    key = name.strip().lower()
+    if key != "imagefolder":
+        if class_map is not None:
+            raise LgvitError(f"a class map applies to image folders, not to the {name} dataset")
+        return load_dataset(name, data_dir, img_size=img_size, cache_dir=cache_dir).test
+    if data_dir is None:
+        raise LgvitError(
+            "the imagefolder dataset needs --data-dir: a folder with val/ (or test/), or a "
+            "folder of class folders, or a .tar.gz of one"
+        )
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    mapping = load_class_map(Path(class_map).expanduser()) if class_map is not None else None
+    return load_test_folder(Path(data_dir).expanduser(), cache, mapping)

@@ -33,12 +33,13 @@ from lgvit.data import archives
 from lgvit.data.cifar import CIFAR10_CLASSES
 from lgvit.data.decode import STATUS_BAD, STATUS_OK, decode_to_npy, probe_size
 from lgvit.data.splits import DatasetSplits, FileImageSet, ImageSet
-from lgvit.errors import LgvitError
+from lgvit.errors import LgvitError, first_line
 
-__all__ = ["load_imagefolder"]
+__all__ = ["load_class_map", "load_imagefolder", "load_test_folder", "natural_key"]
 
 # Bump when the decoded-cache layout or the decode/resize policy changes: old caches then miss.
-_CACHE_VERSION = 1
+# 2: class folders in natural order (``2`` before ``10``), as timm's ImageFolder.
+_CACHE_VERSION = 2
 # Only the default: with images of mixed sizes and no img_size we store at 224 / 0.875 = 256.
 _DEFAULT_IMG_SIZE = 224
 
@@ -104,15 +105,69 @@ def _visible(name: str) -> bool:
     return not name.startswith(".")
 
 
-def _scan_split(split_dir: Path) -> _SplitFiles:
-    classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and _visible(e.name))
-    if not classes:
+def natural_key(name: str) -> tuple:
+    """timm's ImageFolder order: case-folded, digit runs compared as numbers (``2`` before
+    ``10``, so ImageNet-V2's folders ``0`` ... ``999`` are its class indices); the name itself
+    breaks ties."""
+    parts = re.split(r"(\d+)", name.lower())  # alternates text, number, text, ...
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), name
+
+
+def _class_dirs(split_dir: Path) -> list[str]:
+    names = [e.name for e in os.scandir(split_dir) if e.is_dir() and _visible(e.name)]
+    return sorted(names, key=natural_key)
+
+
+def load_class_map(path: Path) -> dict[str, int]:
+    """timm's ``--class-map`` text file: one class name per line (its index is the line's), or
+    ``name index`` per line. Indices must be 0 ... n-1, each once."""
+    try:
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise LgvitError(f"class map {path}: cannot read it ({first_line(e)})") from None
+    rows = [(n, ln) for n, ln in enumerate(lines, 1) if ln]
+    if not rows:
+        raise LgvitError(f"class map {path}: no class names in it")
+    pairs = [ln.rsplit(None, 1) for _, ln in rows]
+    indexed = [len(p) == 2 and p[1].lstrip("-").isdigit() for p in pairs]
+    if any(indexed) and not all(indexed):
+        bad = next(r[0] for r, ix in zip(rows, indexed, strict=True) if ix != indexed[0])
+        raise LgvitError(f"class map {path}, line {bad}: mixes 'name' lines and 'name index' lines")
+    out: dict[str, int] = {}
+    for (line_no, line), p in zip(rows, pairs, strict=True):
+        name, idx = (p[0], int(p[1])) if indexed[0] else (line, len(out))
+        if name in out:
+            raise LgvitError(f"class map {path}, line {line_no}: class {name!r} listed twice")
+        out[name] = idx
+    if sorted(out.values()) != list(range(len(out))):
+        raise LgvitError(
+            f"class map {path}: the indices must be 0 ... {len(out) - 1}, each once "
+            f"(found {min(out.values())} ... {max(out.values())}, "
+            f"{len(set(out.values()))} distinct)"
+        )
+    return out
+
+
+def _scan_split(split_dir: Path, class_map: dict[str, int] | None = None) -> _SplitFiles:
+    folders = _class_dirs(split_dir)
+    if not folders:
         raise LgvitError(f"no class folders in {split_dir} (expected {split_dir}/<class>/*)")
+    if class_map is None:
+        classes, label_of = folders, {c: i for i, c in enumerate(folders)}
+    else:
+        missing = [c for c in folders if c not in class_map]
+        if missing:
+            raise LgvitError(
+                f"{len(missing)} class folder(s) in {split_dir} are not in the class map: "
+                f"{', '.join(missing[:5])}"
+            )
+        classes, label_of = sorted(class_map, key=class_map.__getitem__), class_map
     paths: list[str] = []
     labels: list[int] = []
     stats: list[tuple[str, int, int]] = []
     empty: list[str] = []
-    for label, cls in enumerate(classes):
+    for cls in folders:
+        label = label_of[cls]
         found = []
         for dirpath, dirnames, filenames in os.walk(split_dir / cls, followlinks=True):
             dirnames[:] = sorted(d for d in dirnames if _visible(d))  # deterministic, no .git
@@ -156,6 +211,46 @@ def _imagefolder_root(data_dir: Path, cache: Path) -> Path:
                 "val/<class>/* or test/<class>/*)"
             )
     return root
+
+
+def _test_dir(data_dir: Path, cache: Path) -> Path:
+    """The folder of class folders to evaluate: ``val/`` (or ``test/``) of ``data_dir``, or
+    ``data_dir`` itself when it holds the class folders (ImageNet-V2's layout); a single wrapper
+    folder (as archives have) is looked through."""
+    if not data_dir.exists():
+        raise LgvitError(f"imagefolder data dir not found: {data_dir}")
+    root = data_dir
+    if root.is_file():
+        if not archives.is_archive(root):
+            raise LgvitError(f"{root} is a file but not a .tar.gz/.tgz/.tar archive")
+        root = archives.extract_cached(root, cache)
+    for _ in range(2):  # the folder, then a lone wrapper folder in it
+        for split in ("val", "test"):
+            if (root / split).is_dir():
+                return root / split
+        if (root / "train").is_dir():
+            raise LgvitError(
+                f"{root} has train/ but no val/ or test/ to evaluate (or pass the folder of "
+                "class folders itself)"
+            )
+        subdirs = _class_dirs(root)
+        files = [e.name for e in os.scandir(root) if e.is_file() and _visible(e.name)]
+        if len(subdirs) == 1 and not files and _class_dirs(root / subdirs[0]):
+            root = root / subdirs[0]
+        else:
+            break
+    return root
+
+
+def load_test_folder(
+    data_dir: Path, cache: Path, class_map: dict[str, int] | None = None
+) -> FileImageSet:
+    """The evaluation split of an image folder, as its files: ``val/`` or ``test/`` of
+    ``data_dir`` (no ``train/`` needed) or ``data_dir`` itself as a folder of class folders.
+    Classes in natural order, or the indices of ``class_map`` (:func:`load_class_map`)."""
+    split = _scan_split(_test_dir(data_dir, cache), class_map)
+    labels = torch.tensor(split.labels, dtype=torch.int64)
+    return FileImageSet(split.paths, labels, list(split.classes))
 
 
 def _cache_key(root: Path, img_size: int | None, splits: list[_SplitFiles]) -> str:

@@ -21,6 +21,7 @@ import torch
 from lgvit.config import RE_MODES, TRAIN_CROPS, TrainConfig
 from lgvit.constants import IMAGENET_MEAN, IMAGENET_STD
 from lgvit.data.transforms import (
+    INTERPOLATIONS,
     mean_to_fill,
     mixup_cutmix,
     normalize,
@@ -69,6 +70,7 @@ class AugmentConfig:
     reprob: float = _recipe("reprob")
     remode: str = _recipe("remode")
     crop_pct: float = _recipe("crop_pct")
+    interpolation: str = "bicubic"  # of the eval resize (timm's ``interpolation``)
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
     rrc_scale: tuple[float, float] = (0.08, 1.0)
@@ -85,6 +87,11 @@ class AugmentConfig:
             raise LgvitError(f"mixup_mode must be 'batch' or 'elem', got {self.mixup_mode!r}")
         if self.img_size <= 0:
             raise LgvitError(f"img_size must be positive, got {self.img_size}")
+        if self.interpolation not in INTERPOLATIONS:
+            raise LgvitError(
+                f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got "
+                f"{self.interpolation!r}"
+            )
         if len(self.mean) != 3 or len(self.std) != 3:
             raise LgvitError("mean and std need 3 values each (one per RGB channel)")
         if self.rand_augment:
@@ -166,7 +173,9 @@ class BatchLoader:
     ``r`` gets the disjoint strided shard ``r::world_size``, so the shards cover the dataset
     exactly once and summed per-rank metrics are exact. Shard sizes (hence batch counts) may
     differ by one between ranks, so do cross-rank reductions after the loop, not per batch;
-    :attr:`num_samples` gives this rank's count.
+    :attr:`num_samples` gives this rank's count. ``with_index`` (eval): yield
+    ``(inputs, labels, indices)``, the indices of the batch's images in the split (so results
+    can be matched to files, and images a streamed split could not read are accounted for).
     """
 
     def __init__(
@@ -184,7 +193,10 @@ class BatchLoader:
         drop_last: bool | None = None,
         device: torch.device | str = "cpu",
         repeated_aug: int = 1,
+        with_index: bool = False,
     ) -> None:
+        if with_index and train:
+            raise LgvitError("with_index is for evaluation (train=False)")
         if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[1] != 3:
             shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images)
             raise LgvitError(f"images must be a (N, 3, H, W) tensor, got {shape}")
@@ -225,6 +237,7 @@ class BatchLoader:
         self.drop_last = train if drop_last is None else drop_last
         self.device = torch.device(device)
         self.repeated_aug = repeated_aug if train else 1
+        self.with_index = with_index
         self.epoch = 0
         self._flip_phase: torch.Tensor | None = None
         self._ra = parse_rand_augment(self.aug.rand_augment) if self.aug.rand_augment else None
@@ -325,7 +338,7 @@ class BatchLoader:
         if tuple(x.shape[-2:]) == (s, s):
             return x
         pct = self.aug.crop_pct if not self.train else 1.0
-        return resize_center_crop(x, s, crop_pct=pct)
+        return resize_center_crop(x, s, crop_pct=pct, interpolation=self.aug.interpolation)
 
     def _flips(self, idx: torch.Tensor) -> torch.Tensor:
         """Alternating flips (airbench): image ``i`` is mirrored in epoch ``e`` when its random
@@ -393,4 +406,9 @@ class BatchLoader:
                 yield self._train_batch(x, y, gen, idx)
             else:
                 x = self._fit_size(self._to_device(x))
-                yield normalize(x, self.aug.mean, self.aug.std), self._to_device(y)
+                yield self._eval_batch(normalize(x, self.aug.mean, self.aug.std), y, idx)
+
+    def _eval_batch(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> tuple:
+        if self.with_index:
+            return x, self._to_device(y), idx.cpu()
+        return x, self._to_device(y)

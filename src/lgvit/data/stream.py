@@ -21,10 +21,10 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from lgvit.data.decode import pil_resize_center_crop, to_rgb
+from lgvit.data.decode import to_rgb
 from lgvit.data.loader import BatchLoader, _seed
 from lgvit.data.splits import FileImageSet, ImageSet
-from lgvit.data.transforms import normalize
+from lgvit.data.transforms import normalize, resize_center_crop
 from lgvit.errors import LgvitError
 
 
@@ -63,13 +63,15 @@ class _DecodeBatches(Dataset):
         size: int,
         train: bool,
         crop_pct: float,
+        interpolation: str,
         scale: tuple[float, float],
         ratio: tuple[float, float],
         seed: int,
         first: int = 0,
     ) -> None:
         self.paths, self.batches, self.size, self.train = paths, batches, size, train
-        self.crop_pct, self.scale, self.ratio, self.seed = crop_pct, scale, ratio, seed
+        self.crop_pct, self.interpolation = crop_pct, interpolation
+        self.scale, self.ratio, self.seed = scale, ratio, seed
         self.first = first  # index of batches[0] in the epoch (its crops' seed)
 
     def __len__(self) -> int:
@@ -79,7 +81,7 @@ class _DecodeBatches(Dataset):
         # Seeded per batch of the epoch: workers can't reorder it, a resume can skip batches.
         rng = random.Random(self.seed * 1_000_003 + self.first + i)
         s = self.size
-        out = np.zeros((len(self.batches[i]), s, s, 3), dtype=np.uint8)
+        out = torch.zeros((len(self.batches[i]), 3, s, s), dtype=torch.uint8)
         ok = torch.zeros(len(self.batches[i]), dtype=torch.bool)
         for j, idx in enumerate(self.batches[i]):
             try:
@@ -91,13 +93,12 @@ class _DecodeBatches(Dataset):
             if self.train:
                 box = random_resized_box(*rgb.size, self.scale, self.ratio, rng)
                 rgb = rgb.resize((s, s), Image.Resampling.BICUBIC, box=box)
-            else:
-                rgb = pil_resize_center_crop(rgb, round(s / self.crop_pct))
-                off = (rgb.size[0] - s) // 2
-                rgb = rgb.crop((off, off, off + s, off + s))
-            out[j] = np.asarray(rgb, dtype=np.uint8)
+                out[j] = torch.from_numpy(np.array(rgb, dtype=np.uint8)).permute(2, 0, 1)
+            else:  # the eval transform of in-memory splits and of predict, image by image
+                chw = torch.from_numpy(np.array(rgb, dtype=np.uint8)).permute(2, 0, 1)
+                out[j] = resize_center_crop(chw[None], s, self.crop_pct, self.interpolation)[0]
             ok[j] = True
-        return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous(), ok
+        return out, ok
 
 
 class StreamingLoader(BatchLoader):
@@ -131,8 +132,8 @@ class StreamingLoader(BatchLoader):
         batches = batches[start:]
         a = self._crop_aug
         ds = _DecodeBatches(
-            self.files.paths, batches, a.img_size, self.train, a.crop_pct, a.rrc_scale,
-            a.rrc_ratio, _seed(self.seed, self.epoch, self.rank, 2), first=start,
+            self.files.paths, batches, a.img_size, self.train, a.crop_pct, a.interpolation,
+            a.rrc_scale, a.rrc_ratio, _seed(self.seed, self.epoch, self.rank, 2), first=start,
         )  # fmt: skip
         dl = DataLoader(
             ds, batch_size=None, shuffle=False, num_workers=self.workers,
@@ -159,7 +160,7 @@ class StreamingLoader(BatchLoader):
             if self.train:
                 yield self._train_batch(x, y, gen, idx)
             else:
-                yield normalize(self._to_device(x), self.aug.mean, self.aug.std), self._to_device(y)
+                yield self._eval_batch(normalize(self._to_device(x), a.mean, a.std), y, idx)
 
 
 def make_loader(

@@ -47,6 +47,7 @@ __all__ = [
     "random_crop_flip",
     "random_erasing",
     "random_resized_crop",
+    "INTERPOLATIONS",
     "resize_center_crop",
     "rotate",
     "shear_x",
@@ -283,18 +284,30 @@ def random_resized_crop(
     return _to_uint8(out)
 
 
-def _resize(x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
-    """Bicubic, antialiased, uint8 in and out: torchvision's resize, whose uint8 kernel stays
-    within one level of PIL's (timm's eval transform) where float interpolation + rounding was
-    up to 4 off, and ran 3.8-5.5x faster (four runs of ``benchmarks/bench_decode.py``)."""
+# timm's interpolation names that torchvision's tensor resize has (PIL-only lanczos/box/hamming
+# are not among them).
+INTERPOLATIONS = {
+    "bicubic": TF.InterpolationMode.BICUBIC,
+    "bilinear": TF.InterpolationMode.BILINEAR,
+    "nearest": TF.InterpolationMode.NEAREST_EXACT,  # PIL's nearest (timm's), not legacy torch's
+}
+
+
+def _resize(x: torch.Tensor, hw: tuple[int, int], interpolation: str = "bicubic") -> torch.Tensor:
+    """Antialiased, uint8 in and out: torchvision's resize, whose uint8 kernel stays within one
+    level of PIL's (timm's eval transform) where float interpolation + rounding was up to 4 off,
+    and ran 3.8-5.5x faster (four runs of ``benchmarks/bench_decode.py``)."""
     if tuple(x.shape[-2:]) == hw:
         return x
-    return TF.resize(x, list(hw), interpolation=TF.InterpolationMode.BICUBIC, antialias=True)
+    mode = INTERPOLATIONS[interpolation]
+    return TF.resize(x, list(hw), interpolation=mode, antialias=mode != INTERPOLATIONS["nearest"])
 
 
-def resize_center_crop(x: torch.Tensor, size: int, crop_pct: float = CROP_PCT) -> torch.Tensor:
-    """Eval transform: resize the shorter side to ``floor(size / crop_pct)`` (bicubic), then
-    centre-crop ``size`` (timm's eval recipe), uint8 in and out.
+def resize_center_crop(
+    x: torch.Tensor, size: int, crop_pct: float = CROP_PCT, interpolation: str = "bicubic"
+) -> torch.Tensor:
+    """Eval transform: resize the shorter side to ``floor(size / crop_pct)`` (``interpolation``:
+    one of ``INTERPOLATIONS``), then centre-crop ``size`` (timm's eval recipe), uint8 in and out.
 
     Images that are already ``size x size`` are returned unchanged: they are taken to be
     pre-cropped at the training resolution (CIFAR at 32 px), where the 0.875 resize-then-crop
@@ -306,13 +319,18 @@ def resize_center_crop(x: torch.Tensor, size: int, crop_pct: float = CROP_PCT) -
         return x
     if not 0 < crop_pct <= 1:
         raise LgvitError(f"resize_center_crop: crop_pct must be in (0, 1], got {crop_pct}")
+    if interpolation not in INTERPOLATIONS:
+        raise LgvitError(
+            f"resize_center_crop: interpolation {interpolation!r} is not one of "
+            f"{', '.join(INTERPOLATIONS)}"
+        )
     scale_size = math.floor(size / crop_pct)
     # torchvision Resize(int): shorter side -> scale_size, longer side truncated.
     if h <= w:
         nh, nw = scale_size, int(scale_size * w / h)
     else:
         nh, nw = int(scale_size * h / w), scale_size
-    x = _resize(x, (nh, nw))
+    x = _resize(x, (nh, nw), interpolation)
     top = int(round((nh - size) / 2.0))
     left = int(round((nw - size) / 2.0))
     return x[:, :, top : top + size, left : left + size].contiguous()

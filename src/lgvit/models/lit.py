@@ -169,7 +169,7 @@ def pvt_small_dtm(**kwargs: Any) -> LITPyramid:
 @register_model(
     config=ModelConfig(
         crop_pct=0.9,
-        test_input_size=(3, 224, 224),  # windows of 7 on grids that merge evenly
+        smoke_input_size=(3, 224, 224),  # windows of 7 on grids that merge evenly
         paper=dict(params_int_m=28, params_int_head=True, macs_g=4.5, imagenet_top1=81.6, table=3),
     )
 )

@@ -206,7 +206,7 @@ def localvit_pvt_tiny(**kwargs: Any) -> LocalViTPVT:
 
 @register_model(
     config=ModelConfig(
-        crop_pct=0.9, test_input_size=(3, 112, 112),
+        crop_pct=0.9, smoke_input_size=(3, 112, 112),
         paper=dict(params_m=29.08, macs_g=4.54, imagenet_top1=81.9),
     )
 )  # fmt: skip

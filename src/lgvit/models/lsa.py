@@ -780,7 +780,7 @@ def _cifar_cfg(params: float | None, **paper: Any) -> ModelConfig:
         crop_pct=1.0,
         first_conv="patch_embed",
         dataset="cifar10",
-        test_input_size=(3, 16, 16),
+        smoke_input_size=(3, 16, 16),
         paper=ref,
     )
 

@@ -40,7 +40,9 @@ CIFAR_MEAN, CIFAR_STD = CIFAR10_MEAN, CIFAR10_STD  # the names the families impo
 class ModelConfig:
     """Defaults a registered model carries (what timm calls ``pretrained_cfg``).
 
-    ``test_input_size`` is the small input the contract tests run every model at.
+    ``smoke_input_size`` is the small input the contract tests run every model at; it is not a
+    ``pretrained_cfg`` key (timm's ``test_input_size`` means the size to evaluate at, and a model
+    is evaluated at ``input_size`` here).
     """
 
     input_size: tuple[int, int, int] = (3, 224, 224)
@@ -53,7 +55,7 @@ class ModelConfig:
     first_conv: str = "patch_embed.proj"
     classifier: str = "head"
     dataset: str = "imagenet"
-    test_input_size: tuple[int, int, int] = (3, 64, 64)
+    smoke_input_size: tuple[int, int, int] = (3, 64, 64)
     paper: dict[str, Any] = field(default_factory=dict)  # reference numbers from the paper
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,6 +116,7 @@ def pretrained_cfg_for(
     model's real input size and class count, and -- for a model loaded from an lgvit
     checkpoint -- the normalisation and class names it was trained with."""
     cfg = _CONFIGS[name].to_dict()
+    del cfg["smoke_input_size"]
     img = getattr(model, "img_size", None)
     if img is not None:
         cfg["input_size"] = (getattr(model, "in_chans", 3), *img)

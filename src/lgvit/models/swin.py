@@ -156,7 +156,7 @@ class SwinTransformer(StagedViT):
 # ---------------------------------------------------------------------------------------------
 
 
-SWIN_CFG = dict(crop_pct=0.9, test_input_size=(3, 112, 112))  # windows of 7 need grids of 7k
+SWIN_CFG = dict(crop_pct=0.9, smoke_input_size=(3, 112, 112))  # windows of 7 need grids of 7k
 
 
 @register_model(
