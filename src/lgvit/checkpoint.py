@@ -51,7 +51,7 @@ from lgvit.atomic import (
     write_temp,
     writing_to,
 )
-from lgvit.errors import LgvitError, first_line
+from lgvit.errors import LgvitError, error_lines, first_line
 from lgvit.safe_pickle import Inert, refused_pickle_error, torch_load_data_only
 
 __all__ = [
@@ -63,6 +63,9 @@ __all__ = [
     "atomic_write_bytes",
     "build_train_state",
     "capture_rng_state",
+    "check_finite_weights",
+    "check_model_metadata",
+    "check_weight_dtypes",
     "checkpoint_paths",
     "clean_state_dict",
     "load_checkpoint_pair",
@@ -339,6 +342,43 @@ def load_metadata(path: str | Path) -> dict[str, str]:
     return _read_safetensors(_resolve_weights_path(Path(path)))[1]
 
 
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _names(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(c, str) for c in v)
+
+
+def _meta_json(meta: Mapping[str, str], key: str, path: str | Path, want: str, ok: Any) -> None:
+    try:
+        value = json.loads(meta[key])
+    except (TypeError, ValueError):
+        value = ok = None
+    if ok is None or not ok(value):
+        raise LgvitError(f"{path}: metadata {key}={str(meta[key])[:60]!r} is not {want}")
+
+
+def check_model_metadata(meta: Mapping[str, str], path: str | Path) -> dict[str, str]:
+    """The checkpoint metadata a model is built from, checked: a malformed value (a hand-edited
+    or foreign header) is one line naming the file and the key, not a crash later."""
+    three = lambda v: isinstance(v, list) and len(v) == 3 and all(map(_is_number, v))  # noqa: E731
+    if "img_size" in meta and not str(meta["img_size"]).strip().isdigit():
+        raise LgvitError(f"{path}: metadata img_size={meta['img_size']!r} is not a whole number")
+    if "model_kwargs" in meta:
+        _meta_json(meta, "model_kwargs", path, "a JSON object of architecture arguments",
+                   lambda v: isinstance(v, dict))  # fmt: skip
+    for key in ("mean", "std"):
+        if key in meta:
+            _meta_json(meta, key, path, "a JSON list of 3 numbers", three)
+    if "classes" in meta:
+        _meta_json(meta, "classes", path, "a JSON list of class names", _names)
+    if meta.get("crop_pct"):
+        _meta_json(meta, "crop_pct", path, "a number in (0, 1]",
+                   lambda v: _is_number(v) and 0 < v <= 1)  # fmt: skip
+    return dict(meta)
+
+
 def check_same_classes(stem: Path, meta: dict[str, str]) -> None:
     """The data must give the classes (names and order: the label indices) the run trained
     with; otherwise every label would silently mean another class."""
@@ -529,6 +569,31 @@ def _roll_forward(state_path: Path, pair_id: str, repair: bool = False) -> dict[
     return None
 
 
+def check_weight_dtypes(
+    weights: Mapping[str, Tensor], own: Mapping[str, Tensor], path: str | Path
+) -> None:
+    """A float parameter or buffer of the model must get float values: load_state_dict would
+    silently cast an int (or bool) tensor into it."""
+    for k, v in weights.items():
+        want = own.get(k)
+        if want is not None and want.is_floating_point() and not v.is_floating_point():
+            raise LgvitError(
+                f"{path}: {k} is {str(v.dtype).removeprefix('torch.')}, not floating point "
+                "like the model's; not weights this model can use"
+            )
+
+
+def check_finite_weights(model: nn.Module, path: str | Path) -> None:
+    """Weights to evaluate, predict with or export must be finite: NaN or inf in a parameter
+    (a diverged run's checkpoint) would only give NaN outputs. An error naming the first."""
+    for k, v in model.named_parameters():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise LgvitError(
+                f"{path}: {k} holds non-finite values (NaN or inf); the checkpoint of a run "
+                "that diverged? evaluate an earlier one"
+            )
+
+
 def load_initial_weights(model: nn.Module, path: str) -> str:
     """Fine-tuning start: weights only from ``path`` (an lgvit checkpoint, ``.safetensors`` or
     ``.pth``); a classifier of another class count is dropped (the new head stays freshly
@@ -544,7 +609,14 @@ def load_initial_weights(model: nn.Module, path: str) -> str:
     ]
     for k in dropped:
         del sd[k]
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    check_weight_dtypes(sd, own, path)
+    try:
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+    except RuntimeError as e:  # a shape the load hooks cannot fit: torch names key and shapes
+        detail = next((ln for ln in error_lines(e) if "size mismatch" in ln), _reason(e))
+        raise LgvitError(
+            f"--initial-checkpoint {path} does not fit {model.model_name}: {detail}"
+        ) from None
     missing = [k for k in missing if k not in dropped]
     if missing or unexpected:
         what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"

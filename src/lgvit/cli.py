@@ -96,7 +96,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     report = export(
         args.source, args.format, args.out, args.img_size, args.dynamic_batch,
         args.dynamic_size, args.opset, not args.no_check, args.images or (),
-        log=(lambda m: print(m, file=sys.stderr)) if args.json else print,
+        log=(lambda m: print(m, file=sys.stderr)) if args.json else print, model_name=args.model,
     )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
@@ -276,6 +276,14 @@ def _expand_images(paths: Sequence[str]) -> list[str]:
     return out
 
 
+def _label(classes: Sequence[str] | None, i: int) -> str:
+    """Class ``i``'s name; a head wider than the named classes (``--num-classes`` above the
+    data's) has unnamed outputs: ``class_12``."""
+    if not classes:
+        return str(i)
+    return classes[i] if i < len(classes) else f"class_{i}"
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     import torch
 
@@ -297,7 +305,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         with torch.no_grad():
             probs = model(x.to(device)).softmax(-1)[0].cpu()
         top = probs.topk(min(args.topk, len(probs)))
-        labels = [classes[i] if classes else str(i) for i in top.indices.tolist()]
+        labels = [_label(classes, i) for i in top.indices.tolist()]
         results.append(
             {"image": path, "top": [[lbl, round(p, 4)] for lbl, p in
                                     zip(labels, top.values.tolist(), strict=True)]}
@@ -405,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
         "hf-hub:ORG/NAME, or a model name (random weights)",
     )
     p.add_argument("--format", required=True, choices=["onnx", "pt2", "hf"])
+    p.add_argument("--model", help="the architecture of a .pth state dict (e.g. lit_ti)")
     p.add_argument("--out", help="file (onnx, pt2) or folder (hf); default: the model name")
     p.add_argument("--img-size", type=int, help="default: the checkpoint's or the model's")
     p.add_argument("--dynamic-batch", action="store_true", help="any batch size")

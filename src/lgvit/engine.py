@@ -40,7 +40,7 @@ from lgvit.errors import LgvitError, last_line
 from lgvit.optim import ModelEma, build_optimizer, lr_at
 from lgvit.preempt import RunControl
 from lgvit.progress import RunClock, StepProgress, format_duration, on_terminal
-from lgvit.rundir import RunLock, remove_stale_temps
+from lgvit.rundir import RunLock, check_mid_epoch_batch, check_resumable, remove_stale_temps
 from lgvit.runtime import Dist, all_reduce_sum, barrier, resolve_amp, seed_everything
 
 # --------------------------------------------------------------------------------- the task
@@ -312,6 +312,7 @@ def _find_resume(cfg: TrainConfig) -> Path | None:
         return None
     if cfg.resume == "auto":
         stem = Path(cfg.out) / "last"
+        check_resumable(stem.parent, checkpoint_paths(stem)[0])
         return stem if checkpoint_paths(stem)[0].exists() else None
     stem = Path(cfg.resume)
     if stem.is_dir():
@@ -456,6 +457,7 @@ def _resumed_config(
     weights, state = load_checkpoint_pair(stem, repair=d.main)
     saved = config_from_dict(state["config"], source=f"{stem}")
     _check_resume(saved, cfg, explicit, stem, task.identity_keys)
+    check_mid_epoch_batch(state, cfg.batch_size if "batch_size" in explicit else None, stem)
     now = config_to_dict(cfg)
     keep = {k: now[k] for k in {"out", "resume", *explicit} - {"initial_checkpoint"}}
     return (
@@ -555,7 +557,7 @@ def _start(
     prepared = task.prepare(cfg, d)
     model = prepared.model
     if stem is not None:
-        check_same_classes(stem, prepared.meta)
+        check_same_classes(stem, prepared.metadata)
     if weights is not None:
         model.load_state_dict(weights)
     elif cfg.initial_checkpoint:

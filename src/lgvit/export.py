@@ -255,13 +255,15 @@ def export(
     run_check: bool = True,
     images: Sequence[str] = (),
     log: Callable[[str], None] = print,
+    model_name: str | None = None,
 ) -> dict[str, Any]:
-    """Export ``source`` and (``run_check``) compare the file with eager; returns a report."""
+    """Export ``source`` and (``run_check``) compare the file with eager; returns a report.
+    ``model_name``: the architecture of a ``.pth`` state dict (the authors' releases)."""
     if fmt not in FORMATS:
         raise LgvitError(f"--format {fmt!r}: choose onnx, pt2 or hf")
     if fmt == "onnx":
         _need("onnx", "onnxscript", "onnxruntime")
-    model, trained = load_source(source, img_size)
+    model, trained = load_source(source, img_size, model_name)
     name = model.model_name
     if not trained:
         warnings.warn(f"{name} has random weights (pass a checkpoint to export one)", stacklevel=2)

@@ -67,6 +67,9 @@ def load_model(
         model = create_model(name, checkpoint_path=checkpoint, **kwargs)
     except ValueError as e:
         raise LgvitError(f"model {name} from {checkpoint}: {e}") from None
+    from lgvit.checkpoint import check_finite_weights
+
+    check_finite_weights(model, checkpoint)  # a diverged run's NaNs would only predict NaN
     return model.to(resolve_device(device)).eval()
 
 

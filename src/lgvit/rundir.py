@@ -94,3 +94,36 @@ def remove_stale_temps(out: Path) -> list[str]:
             tmp.unlink()
             removed.append(tmp.name)
     return removed
+
+
+# What a training run writes into its directory besides the resumable ``last`` checkpoint.
+RUN_FILES = (
+    "last.state.pt", "best.safetensors", "best.state.pt", "last_ema.safetensors",
+    "metrics.jsonl", "train.log", "config.yaml",
+)  # fmt: skip
+
+
+def check_resumable(out: Path, checkpoint: Path) -> None:
+    """``--resume auto`` with no ``checkpoint`` to resume: refused (one line) when the directory
+    holds another run's files, which a fresh run would overwrite (and whose config it would
+    ignore); an empty or new directory starts a run."""
+    found = [name for name in RUN_FILES if (Path(out) / name).exists()]
+    if found and not checkpoint.exists():
+        raise LgvitError(
+            f"--resume auto: {out} holds a run ({', '.join(found[:3])}) but not {checkpoint.name},"
+            " the checkpoint to resume; restore it, resume another checkpoint with --resume "
+            "PATH, or start over in another --out"
+        )
+
+
+def check_mid_epoch_batch(state: dict, batch_size: int | None, stem: Path) -> None:
+    """A checkpoint saved inside an epoch counts its position in batches: resuming it with
+    another batch size would skip (or repeat) the rest of that epoch's images."""
+    mid = (state.get("extra") or {}).get("mid_epoch")
+    saved = (state.get("config") or {}).get("batch_size")
+    if mid is not None and None not in (saved, batch_size) and saved != batch_size:
+        raise LgvitError(
+            f"--resume {stem}: saved inside epoch {state.get('epoch', 0) + 1} at batch "
+            f"{mid.get('batch')} of {saved} images; resume it with --batch-size {saved} (the "
+            "batch size may change at an epoch boundary, from a checkpoint saved after an epoch)"
+        )

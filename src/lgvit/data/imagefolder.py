@@ -192,14 +192,19 @@ def _scan_split(split_dir: Path, class_map: dict[str, int] | None = None) -> _Sp
     return _SplitFiles(split_dir.name, classes, paths, labels, stats)
 
 
-def _imagefolder_root(data_dir: Path, cache: Path) -> Path:
+def _folder_or_archive(data_dir: Path, cache: Path) -> Path:
+    """``data_dir`` itself, or the folder a ``.tar.gz`` of it is extracted to (once)."""
     if not data_dir.exists():
         raise LgvitError(f"imagefolder data dir not found: {data_dir}")
-    root = data_dir
-    if root.is_file():
-        if not archives.is_archive(root):
-            raise LgvitError(f"{root} is a file but not a .tar.gz/.tgz/.tar archive")
-        root = archives.extract_cached(root, cache)
+    if not data_dir.is_file():
+        return data_dir
+    if not archives.is_archive(data_dir):
+        raise LgvitError(f"{data_dir} is a file but not a .tar.gz/.tgz/.tar archive")
+    return archives.extract_cached(data_dir, cache)
+
+
+def _imagefolder_root(data_dir: Path, cache: Path) -> Path:
+    root = _folder_or_archive(data_dir, cache)
     if not (root / "train").is_dir():
         # An archive (or a parent folder) usually wraps the tree in a single top folder.
         subdirs = [e for e in os.scandir(root) if e.is_dir() and _visible(e.name)]
@@ -217,13 +222,7 @@ def _test_dir(data_dir: Path, cache: Path) -> Path:
     """The folder of class folders to evaluate: ``val/`` (or ``test/``) of ``data_dir``, or
     ``data_dir`` itself when it holds the class folders (ImageNet-V2's layout); a single wrapper
     folder (as archives have) is looked through."""
-    if not data_dir.exists():
-        raise LgvitError(f"imagefolder data dir not found: {data_dir}")
-    root = data_dir
-    if root.is_file():
-        if not archives.is_archive(root):
-            raise LgvitError(f"{root} is a file but not a .tar.gz/.tgz/.tar archive")
-        root = archives.extract_cached(root, cache)
+    root = _folder_or_archive(data_dir, cache)
     for _ in range(2):  # the folder, then a lone wrapper folder in it
         for split in ("val", "test"):
             if (root / split).is_dir():
@@ -268,13 +267,33 @@ def _read_cache(base: Path) -> tuple[np.ndarray, dict] | None:
         return None
     try:
         meta = json.loads(meta_path.read_text())
+        if not _cache_meta_ok(meta):
+            return None
         # Copy-on-write map: torch needs a writable buffer, and writes must never reach the file.
         images = np.load(npy, mmap_mode="c")
         if images.dtype != np.uint8 or images.ndim != 4 or images.shape[0] != len(meta["labels"]):
             return None
         return images, meta
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # damaged cache: decode again
+    except (OSError, EOFError, ValueError, KeyError, TypeError):
+        return None  # damaged cache (a 0-byte or truncated .npy too): decode again
+
+
+def _cache_meta_ok(meta: object) -> bool:
+    """The cache's JSON has what :func:`_build_cache` writes: two splits' counts, totals and
+    skipped files, the class names and one label per stored row."""
+    if not isinstance(meta, dict):
+        return False
+    pairs = [meta.get(k) for k in ("counts", "totals", "skipped")]
+    if not all(isinstance(v, list) and len(v) == 2 for v in pairs):
+        return False
+    labels, classes = meta.get("labels"), meta.get("classes")
+    return (
+        isinstance(labels, list)
+        and isinstance(classes, list)
+        and all(isinstance(c, int) and c >= 0 for c in meta["counts"])
+        and sum(meta["counts"]) == len(labels)
+        and all(isinstance(b, list) for b in meta["skipped"])
+    )
 
 
 def _scan_splits(root: Path) -> tuple[_SplitFiles, _SplitFiles]:

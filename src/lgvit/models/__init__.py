@@ -2,6 +2,7 @@
 
 # Importing a family module registers its models; one line each.
 from lgvit.models import lsa  # noqa: F401, I001
+from lgvit.models import lsa_authors  # noqa: F401
 from lgvit.models import vit  # noqa: F401
 from lgvit.models import pvt  # noqa: F401
 from lgvit.models import swin  # noqa: F401

@@ -84,7 +84,59 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
         raise LgvitError(f"{path}: not readable JSON ({e})") from None
     if not isinstance(config, dict) or not isinstance(config.get("architecture"), str):
         raise LgvitError(f"{path}: no 'architecture' naming the model")
+    _check_config(config, path)
     return config
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _size(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _names(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(c, str) for c in v)
+
+
+def _three(v: Any) -> bool:
+    return isinstance(v, list) and len(v) == 3 and all(map(_num, v))
+
+
+_NAMES = ("a list of class names", _names)
+_THREE = ("a list of 3 numbers", _three)
+# What each key of config.json must be (what save_pretrained writes), as (words, test).
+_TYPES: dict[str, tuple[str, Any]] = {
+    "model_args": ("an object of architecture arguments", lambda v: isinstance(v, dict)),
+    "num_classes": ("a positive integer", lambda v: v is None or _size(v)),
+    "pretrained_cfg": ("an object", lambda v: isinstance(v, dict)),
+    "label_names": _NAMES,
+    "model_args.img_size": (
+        "a positive integer or a [height, width] pair",
+        lambda v: _size(v) or (isinstance(v, list) and len(v) == 2 and all(map(_size, v))),
+    ),
+    "pretrained_cfg.mean": _THREE,
+    "pretrained_cfg.std": _THREE,
+    "pretrained_cfg.input_size": (
+        "a list of 3 positive integers",
+        lambda v: isinstance(v, list) and len(v) == 3 and all(map(_size, v)),
+    ),
+    "pretrained_cfg.crop_pct": ("a number in (0, 1]", lambda v: _num(v) and 0 < v <= 1),
+    "pretrained_cfg.interpolation": ("a string", lambda v: isinstance(v, str)),
+    "pretrained_cfg.dataset": ("a string", lambda v: isinstance(v, str)),
+    "pretrained_cfg.label_names": _NAMES,
+}
+
+
+def _check_config(config: dict[str, Any], path: Path) -> None:
+    """A malformed ``config.json`` (a hand edit, another tool's) is one line naming the key."""
+    for key, (want, ok) in _TYPES.items():
+        outer, _, inner = key.partition(".")
+        holder = config.get(outer) if inner else config
+        name = inner or outer
+        if isinstance(holder, dict) and name in holder and not ok(holder[name]):
+            raise LgvitError(f"{path}: {key} {str(holder[name])[:60]!r} is not {want}")
 
 
 def weights_file(directory: str | os.PathLike) -> Path:

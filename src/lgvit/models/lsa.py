@@ -9,15 +9,13 @@ variants (keys/values), which yields one "virtually located" token per position.
 *global* attention stages follows, with conv3x3 + LayerNorm + max-pool downsampling between them,
 and a LayerNorm + mean-pool + linear head.
 
-Where we differ from the authors' code (github.com/shellysheynin/Locally-SAG-Transformer) we follow
-the paper:
-
-* their local attention ends in ``(attn @ v).squeeze()``, which breaks a batch of one; ours is
-  batch-invariant;
-* their stages share one LayerNorm pair across all blocks; every block here has its own;
-* their drop path is a constant 0.1; ours increases linearly with depth to ``drop_path_rate``;
-* their CIFAR tiny script uses 4 heads (10.14M params); the paper's tiny model has 3 heads and
-  10.2M params, which is what ``lsa_tiny_cifar`` builds.
+Where the authors' code (github.com/shellysheynin/Locally-SAG-Transformer) differs we follow
+the paper; ``lsa_authors.py`` builds their released models as their code does (``*_authors``;
+docs/models.md lists every difference). Here: 3 heads in tiny CIFAR (theirs: 4) and a key/value
+head per query head in small and base CIFAR (theirs share one), a LayerNorm pair per block
+(theirs: one per stage), drop path rising linearly with depth to ``drop_path_rate`` (theirs: a
+constant 0.1), rolled copies (their ImageNet code pads), and an image's output that is the same
+alone as inside a batch (their ``(attn @ v).squeeze()`` breaks a batch of one).
 
 Speed: the patches of all T shifted copies are gathered at once (no Python loop over shifts) and
 the T per-variant convolutions run as one batched matmul; the T-variant tensor stays T-major so
@@ -42,6 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lgvit.errors import LgvitError
 from lgvit.models.base import StagedViT, pyramid_feature_info
 from lgvit.models.layers import (
     LN_EPS,
@@ -71,6 +70,7 @@ from lgvit.models.registry import (
     CIFAR_STD,
     LSA_PAPER_GPU,
     ModelConfig,
+    checkpoint_layout_owner,
     register_model,
 )
 
@@ -93,14 +93,14 @@ def _shifted_coords(coord: torch.Tensor, shift: torch.Tensor, size: int, mode: s
     """Where shifted-image coordinate ``coord`` reads from in the original image.
 
     Copy t at (i, j) reads the image at (i - dy_t, j - dx_t), like ``torch.roll(img, (dy, dx))``:
-    ``circular`` wraps around the edges (the paper); ``reflect`` mirrors them (the ablation's
-    image translation with reflection padding).
+    ``circular`` wraps around the edges (the paper; ``pad`` too: see :func:`shift_patch_index`);
+    ``reflect`` mirrors them (the ablation's image translation with reflection padding).
     """
     src = coord - shift
     # The size as a 0-dim tensor: a symbolic size (dynamic-size export) must not be a scalar
     # operand, which the ONNX exporter cannot translate for remainder.
     n = torch.scalar_tensor(size, dtype=src.dtype)
-    if mode == "circular":
+    if mode in ("circular", "pad"):
         return torch.remainder(src, n)
     src = torch.where(src < 0, -src, src)
     return torch.where(src >= n, 2 * (n - 1) - src, src)
@@ -121,26 +121,32 @@ def shift_patch_index(
     Entry (t, n, (c, ky, kx)) is the flat index into ``x.flatten(1)`` (C*H*W values, then one
     zero) of the pixel that tap (ky, kx) of output position n reads in copy t, after zero
     padding by ``padding`` -- exactly what ``conv2d(shift(x, t), padding=padding)`` sees.
+    ``pad``: the copy is ``F.pad(x, (dx, 0, dy, 0), "circular")``, (H+dy) x (W+dx), whose taps
+    past the bottom/right edge read on around the image where a roll's read the zero padding.
     """
     if mode == "reflect" and max(abs(v) for s in shifts for v in s) >= min(height, width):
         raise ValueError(f"a shift as large as the image ({height}x{width}) cannot reflect")
+    if mode == "pad" and min(v for s in shifts for v in s) < 0:
+        raise ValueError(f"'pad' shifts pad the top/left, so none may be negative: {shifts}")
     sh = torch.tensor(shifts, dtype=torch.long)
     h = conv_out_size(height, kernel, stride, padding)
     w = conv_out_size(width, kernel, stride, padding)
     k = torch.arange(kernel)
     rows = torch.arange(h)[:, None] * stride - padding + k[None]  # (h, K) in the padded frame
     cols = torch.arange(w)[:, None] * stride - padding + k[None]  # (w, K)
-    r_ok = (rows >= 0) & (rows < height)
-    c_ok = (cols >= 0) & (cols < width)
-    r = _shifted_coords(rows.clamp(0, height - 1)[None], sh[:, 0, None, None], height, mode)
-    c = _shifted_coords(cols.clamp(0, width - 1)[None], sh[:, 1, None, None], width, mode)
+    g_r, g_c = (sh[:, 0, None, None], sh[:, 1, None, None]) if mode == "pad" else (0, 0)
+    r_ok = (rows >= 0) & (rows < height + g_r)  # (h, K); padded: (T, h, K), dy rows more
+    c_ok = (cols >= 0) & (cols < width + g_c)
+    r_hi, c_hi = (None, None) if mode == "pad" else (height - 1, width - 1)
+    r = _shifted_coords(rows.clamp(0, r_hi)[None], sh[:, 0, None, None], height, mode)
+    c = _shifted_coords(cols.clamp(0, c_hi)[None], sh[:, 1, None, None], width, mode)
     # (T, h, w, C, K, K): channel offset + row * W + col, or the trailing zero when padded.
     flat = (
         torch.arange(channels)[None, None, None, :, None, None] * (height * width)
         + r[:, :, None, None, :, None] * width
         + c[:, None, :, None, None, :]
     )
-    ok = r_ok[None, :, None, None, :, None] & c_ok[None, None, :, None, None, :]
+    ok = r_ok[..., :, None, None, :, None] & c_ok[..., None, :, None, None, :]
     flat = torch.where(ok, flat, channels * height * width)
     return flat.reshape(len(shifts), h * w, channels * kernel * kernel), (h, w)
 
@@ -726,6 +732,16 @@ class LocallyShiftedViT(StagedViT):
         if self.shifted:
             return self.local_block(x0, variants, grid), grid
         return self.local_block(x0, grid), grid
+
+    def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """lgvit's layout passes; the authors' released layout is refused, naming its model."""
+        owner = checkpoint_layout_owner(state_dict)
+        if owner is not None:
+            raise LgvitError(
+                f"a checkpoint in the authors' layout of {owner} does not load into the paper's "
+                f"LSA models: load it as {owner} (--model {owner})"
+            )
+        return state_dict
 
 
 # Checkpoints saved before the shared model core (lgvit 0.1) named a few modules differently.

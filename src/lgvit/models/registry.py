@@ -64,6 +64,9 @@ class ModelConfig:
 
 _MODELS: dict[str, Callable[..., nn.Module]] = {}
 _CONFIGS: dict[str, ModelConfig] = {}
+# Checkpoint layouts only one registered model reads (the LSA authors' releases): each function
+# returns that model's name for a state dict in its layout, else None.
+_LAYOUT_OWNERS: list[Callable[[dict[str, torch.Tensor]], str | None]] = []
 
 
 def register_model(
@@ -83,6 +86,20 @@ def register_model(
         return f
 
     return wrap(fn) if fn is not None else wrap
+
+
+def register_checkpoint_layout(
+    owner_of: Callable[[dict[str, torch.Tensor]], str | None],
+) -> Callable[[dict[str, torch.Tensor]], str | None]:
+    """Register ``owner_of(state_dict) -> model name | None``: a checkpoint it claims loads only
+    into that model; any other model refuses it, naming that one."""
+    _LAYOUT_OWNERS.append(owner_of)
+    return owner_of
+
+
+def checkpoint_layout_owner(state_dict: dict[str, torch.Tensor]) -> str | None:
+    """The registered model whose foreign layout ``state_dict`` is in, if any."""
+    return next((n for f in _LAYOUT_OWNERS if (n := f(state_dict)) is not None), None)
 
 
 def list_models(pattern: str | None = None) -> list[str]:
@@ -107,6 +124,16 @@ def _check_name(name: str) -> None:
         close = [n for n in _MODELS if name.split("_")[0] in n][:8]
         hint = f"; similar: {', '.join(close)}" if close else ""
         raise ValueError(f"unknown model {name!r} (see `lgvit info` for the list){hint}")
+
+
+def _check_img_size(size: Any) -> None:
+    """``img_size``: a positive int or an (height, width) pair of them (a string such as "32"
+    would build a model for another input)."""
+    one = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0  # noqa: E731
+    if size is not None and not (one(size) or (
+        isinstance(size, tuple | list) and len(size) == 2 and all(map(one, size))
+    )):  # fmt: skip
+        raise ValueError(f"img_size {size!r}: must be a positive int or a (height, width) pair")
 
 
 def pretrained_cfg_for(
@@ -180,13 +207,21 @@ def create_model(
         )
     weights, meta = None, {}
     if checkpoint_path is not None:
-        from lgvit.checkpoint import load_metadata, load_weights
+        from lgvit.checkpoint import check_model_metadata, load_metadata, load_weights
 
         weights = load_weights(checkpoint_path)
+        owner = checkpoint_layout_owner(weights)
+        if owner is not None and owner != name:  # refused before anything is built
+            raise LgvitError(
+                f"{checkpoint_path} is a checkpoint in the authors' layout of {owner}, which "
+                f"{name} does not read: load it as {owner} (create_model('{owner}', "
+                f"checkpoint_path=...), --model {owner})"
+            )
         try:
             meta = load_metadata(checkpoint_path)
         except LgvitError:
             meta = {}  # a plain .pt/.pth state dict carries no metadata
+        meta = check_model_metadata(meta, checkpoint_path)  # malformed: one line, file and key
         if "img_size" in meta:
             overrides.setdefault("img_size", int(meta["img_size"]))
         for key, value in json.loads(meta.get("model_kwargs", "{}")).items():
@@ -194,7 +229,15 @@ def create_model(
     if num_classes is not None:
         overrides["num_classes"] = num_classes
     overrides.setdefault("num_classes", cfg.num_classes)
-    model = _MODELS[name](**overrides)
+    _check_img_size(overrides.get("img_size"))
+    try:
+        model = _MODELS[name](**overrides)
+    except TypeError as e:
+        if "model_kwargs" not in meta:
+            raise
+        raise LgvitError(
+            f"{checkpoint_path}: metadata model_kwargs do not fit {name} ({first_line(e)})"
+        ) from None
     # The architecture arguments, so save_pretrained can write them (class count aside).
     model.model_args = {k: v for k, v in overrides.items() if k != "num_classes"}
     if weights is not None:
@@ -220,7 +263,10 @@ def _create_from_folder(name: str, **overrides: Any) -> nn.Module:
     weights = hub.weights_file(folder)
     args = {**config.get("model_args", {}), **overrides}
     args.setdefault("num_classes", config.get("num_classes"))
-    model = create_model(arch, checkpoint_path=str(weights), **args)
+    try:
+        model = create_model(arch, checkpoint_path=str(weights), **args)
+    except (TypeError, ValueError) as e:  # model_args the architecture does not take
+        raise LgvitError(f"{folder}/{hub.CONFIG_NAME}: model_args: {first_line(e)}") from None
     hub.apply_saved_cfg(model, config, str(folder))
     return model
 
@@ -236,6 +282,9 @@ def _load_checkpoint(
     """Map (authors' layouts), fit the head, load strictly; errors are one line."""
     filt = getattr(model, "checkpoint_filter_fn", None)
     weights = filt(weights) if filt is not None else weights
+    from lgvit.checkpoint import check_weight_dtypes
+
+    check_weight_dtypes(weights, model.state_dict(), path)  # int or bool where floats belong
     head_w = weights.get(f"{cfg.classifier}.weight")
     if head_w is not None and head_w.shape[0] != getattr(model, "num_classes", head_w.shape[0]):
         if explicit is not None:
