@@ -50,11 +50,16 @@ def multihead_sdpa(
     if attn_mask is not None:
         mask = attn_mask.expand(*attn_mask.shape[:-3], num_heads, N, M)
         attn_mask = mask.reshape(*mask.shape[:-3], kvh, g * N, M).to(q.dtype)
-    if (q.device.type == "cpu" and q.dtype != torch.float32 and torch.is_grad_enabled()) or (
-        attn_mask is not None and torch.compiler.is_exporting()
+    cpu = q.device.type == "cpu"
+    if (cpu and q.dtype != torch.float32 and torch.is_grad_enabled()) or (
+        attn_mask is not None and (cpu or torch.compiler.is_exporting())
     ):
-        # Exporting with a mask (Swin windows): the fused CPU kernel's output layout makes the
-        # ONNX exporter's decomposition record a view its own graph cannot take.
+        # With a mask on the CPU the fused call often falls back to torch's math kernel, whose
+        # safe softmax scans every row for full masking (aten::all + where: 62 of 1381 ms of a
+        # Swin-T bf16 batch): explicit is faster (Swin-T bf16 inference, batch 32, AMD EPYC
+        # avx512_bf16: 24.7 -> 29.4 img/s; fp32 and training unchanged; bench_peers.py).
+        # Exporting with a mask: the fused CPU kernel's output layout makes the ONNX
+        # exporter's decomposition record a view its own graph cannot take.
         x = _explicit_attention(q, k, v, attn_mask, dropout_p, scale)
     else:
         x = F.scaled_dot_product_attention(
@@ -93,10 +98,11 @@ def _explicit_attention(
     dropout_p: float,
     scale: float | None,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v with batched matmuls. Used for bf16/fp16 training on the
-    CPU: the fused kernel's backward is slow there (DeiT-T, batch 64: 41 ms per block against
-    about 18 ms for these matmuls and softmax; a training step 1.35x faster). In fp32 the fused
-    kernel is as fast or faster (lsa_tiny_cifar: 10.6 vs 8.3-10.0 img/s), so it stays."""
+    """softmax(q k^T * scale + mask) v with batched matmuls. Used on the CPU for masked
+    attention (see :func:`multihead_sdpa`) and for bf16/fp16 training: the fused kernel's
+    backward is slow there (DeiT-T, batch 64: 41 ms per block against about 18 ms for these
+    matmuls and softmax; a training step 1.35x faster). In fp32 the fused kernel is as fast or
+    faster (lsa_tiny_cifar: 10.6 vs 8.3-10.0 img/s), so it stays."""
     a = (q * (scale or q.shape[-1] ** -0.5)) @ k.transpose(-2, -1)
     if attn_mask is not None:
         a = a + attn_mask
