@@ -342,27 +342,42 @@ def load_metadata(path: str | Path) -> dict[str, str]:
     return _read_safetensors(_resolve_weights_path(Path(path)))[1]
 
 
-def _is_number(x: Any) -> bool:
+# Type tests of metadata values (checkpoint headers here, config.json in models/hub.py).
+def is_number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
-def _names(v: Any) -> bool:
+def is_size(x: Any) -> bool:
+    """A positive integer (not a bool)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def is_img_size(v: Any) -> bool:
+    """A positive integer or a (height, width) pair of them."""
+    return is_size(v) or (isinstance(v, tuple | list) and len(v) == 2 and all(map(is_size, v)))
+
+
+def is_names(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(c, str) for c in v)
+
+
+def is_rgb(v: Any) -> bool:
+    """Three numbers (a mean or std per RGB channel)."""
+    return isinstance(v, list) and len(v) == 3 and all(map(is_number, v))
 
 
 def _meta_json(meta: Mapping[str, str], key: str, path: str | Path, want: str, ok: Any) -> None:
     try:
-        value = json.loads(meta[key])
-    except (TypeError, ValueError):
-        value = ok = None
-    if ok is None or not ok(value):
+        good = ok(json.loads(meta[key]))
+    except (TypeError, ValueError):  # not JSON
+        good = False
+    if not good:
         raise LgvitError(f"{path}: metadata {key}={str(meta[key])[:60]!r} is not {want}")
 
 
 def check_model_metadata(meta: Mapping[str, str], path: str | Path) -> dict[str, str]:
     """The checkpoint metadata a model is built from, checked: a malformed value (a hand-edited
     or foreign header) is one line naming the file and the key, not a crash later."""
-    three = lambda v: isinstance(v, list) and len(v) == 3 and all(map(_is_number, v))  # noqa: E731
     if "img_size" in meta and not str(meta["img_size"]).strip().isdigit():
         raise LgvitError(f"{path}: metadata img_size={meta['img_size']!r} is not a whole number")
     if "model_kwargs" in meta:
@@ -370,22 +385,23 @@ def check_model_metadata(meta: Mapping[str, str], path: str | Path) -> dict[str,
                    lambda v: isinstance(v, dict))  # fmt: skip
     for key in ("mean", "std"):
         if key in meta:
-            _meta_json(meta, key, path, "a JSON list of 3 numbers", three)
+            _meta_json(meta, key, path, "a JSON list of 3 numbers", is_rgb)
     if "classes" in meta:
-        _meta_json(meta, "classes", path, "a JSON list of class names", _names)
+        _meta_json(meta, "classes", path, "a JSON list of class names", is_names)
     if meta.get("crop_pct"):
         _meta_json(meta, "crop_pct", path, "a number in (0, 1]",
-                   lambda v: _is_number(v) and 0 < v <= 1)  # fmt: skip
+                   lambda v: is_number(v) and 0 < v <= 1)  # fmt: skip
     return dict(meta)
 
 
 def check_same_classes(stem: Path, meta: dict[str, str]) -> None:
     """The data must give the classes (names and order: the label indices) the run trained
     with; otherwise every label would silently mean another class."""
-    saved = load_metadata(stem).get("classes")
-    now = meta.get("classes")
-    if saved and now and json.loads(saved) != json.loads(now):
-        was, new = json.loads(saved), json.loads(now)
+    saved, now = load_metadata(stem).get("classes"), meta.get("classes")
+    if not (saved and now):
+        return
+    was, new = json.loads(saved), json.loads(now)
+    if was != new:
         diff = next((i for i, (a, b) in enumerate(zip(was, new, strict=False)) if a != b), None)
         where = (
             f"class {diff} was {was[diff]!r}, is now {new[diff]!r}"

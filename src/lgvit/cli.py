@@ -200,19 +200,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
                          aug=aug, with_index=True, workers=args.workers)  # fmt: skip
     if not args.json:
         print(f"preprocessing: {pre.describe()}", flush=True)
-    recorder = TopKRecorder(k=5)
+    recorder = TopKRecorder(k=5) if real or args.predictions else None  # per-image top-5
     amp = resolve_amp(args.amp, device)
     res = evaluate(model, loader, len(split.classes), Dist(device=device), amp, tta=args.tta,
                    on_batch=recorder)  # fmt: skip
-    idx, labels, top, probs = recorder.result()
     res.update(checkpoint=str(args.checkpoint), data=args.data, images=len(split),
-               unreadable=len(split) - len(idx), preprocessing=pre.to_dict(),
+               unreadable=len(split) - res["count"], preprocessing=pre.to_dict(),
                classes=list(split.classes))  # fmt: skip
-    if real_sets is not None:
-        res.update(real_accuracy(top, [real_sets[i] for i in idx.tolist()]))
-    if args.predictions:
-        write_predictions(args.predictions, [names[i] for i in idx.tolist()], labels, top, probs)
-        res["predictions"] = str(args.predictions)
+    if recorder is not None:
+        idx, labels, top, probs = recorder.result()
+        if real_sets is not None:
+            res.update(real_accuracy(top, [real_sets[i] for i in idx.tolist()]))
+        if args.predictions:
+            names = [names[i] for i in idx.tolist()]
+            write_predictions(args.predictions, names, labels, top, probs)
+            res["predictions"] = str(args.predictions)
     if args.json:
         print(json.dumps(res, indent=2))
     else:

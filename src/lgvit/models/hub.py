@@ -23,6 +23,7 @@ from typing import Any
 import torch.nn as nn
 
 from lgvit.atomic import atomic_save_safetensors, atomic_write_bytes
+from lgvit.checkpoint import is_img_size, is_names, is_number, is_rgb, is_size
 from lgvit.errors import LgvitError, first_line
 
 CONFIG_NAME = "config.json"
@@ -88,41 +89,25 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def _num(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
-def _size(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x > 0
-
-
-def _names(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(c, str) for c in v)
-
-
-def _three(v: Any) -> bool:
-    return isinstance(v, list) and len(v) == 3 and all(map(_num, v))
-
-
-_NAMES = ("a list of class names", _names)
-_THREE = ("a list of 3 numbers", _three)
+_NAMES = ("a list of class names", is_names)
+_THREE = ("a list of 3 numbers", is_rgb)
 # What each key of config.json must be (what save_pretrained writes), as (words, test).
 _TYPES: dict[str, tuple[str, Any]] = {
     "model_args": ("an object of architecture arguments", lambda v: isinstance(v, dict)),
-    "num_classes": ("a positive integer", lambda v: v is None or _size(v)),
+    "num_classes": ("a positive integer", lambda v: v is None or is_size(v)),
     "pretrained_cfg": ("an object", lambda v: isinstance(v, dict)),
     "label_names": _NAMES,
     "model_args.img_size": (
         "a positive integer or a [height, width] pair",
-        lambda v: _size(v) or (isinstance(v, list) and len(v) == 2 and all(map(_size, v))),
+        is_img_size,
     ),
     "pretrained_cfg.mean": _THREE,
     "pretrained_cfg.std": _THREE,
     "pretrained_cfg.input_size": (
         "a list of 3 positive integers",
-        lambda v: isinstance(v, list) and len(v) == 3 and all(map(_size, v)),
+        lambda v: isinstance(v, list) and len(v) == 3 and all(map(is_size, v)),
     ),
-    "pretrained_cfg.crop_pct": ("a number in (0, 1]", lambda v: _num(v) and 0 < v <= 1),
+    "pretrained_cfg.crop_pct": ("a number in (0, 1]", lambda v: is_number(v) and 0 < v <= 1),
     "pretrained_cfg.interpolation": ("a string", lambda v: isinstance(v, str)),
     "pretrained_cfg.dataset": ("a string", lambda v: isinstance(v, str)),
     "pretrained_cfg.label_names": _NAMES,

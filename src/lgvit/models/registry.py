@@ -129,10 +129,9 @@ def _check_name(name: str) -> None:
 def _check_img_size(size: Any) -> None:
     """``img_size``: a positive int or an (height, width) pair of them (a string such as "32"
     would build a model for another input)."""
-    one = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0  # noqa: E731
-    if size is not None and not (one(size) or (
-        isinstance(size, tuple | list) and len(size) == 2 and all(map(one, size))
-    )):  # fmt: skip
+    from lgvit.checkpoint import is_img_size
+
+    if size is not None and not is_img_size(size):
         raise ValueError(f"img_size {size!r}: must be a positive int or a (height, width) pair")
 
 
