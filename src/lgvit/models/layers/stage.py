@@ -54,7 +54,8 @@ class Stage(nn.Module):
         pos_embed_grid: with ``dim``, add a learned absolute position embedding
             ``(prefix + H*W, dim)`` built for this grid (resized for another grid, at run time
             and on load).
-        cls_token: prepend a learned class token (PVT's stage 4).
+        cls_token: prepend a learned class token (PVT's stage 4). ``use_cls_token = False``
+            leaves it (and its position row) out, as PVT's dense backbones do.
         pos_resize_mode: ``bicubic`` or ``bilinear`` interpolation when resizing.
     """
 
@@ -73,6 +74,7 @@ class Stage(nn.Module):
         self.grid = tuple(pos_embed_grid) if pos_embed_grid else None
         self.num_prefix_tokens = int(cls_token)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if cls_token else None
+        self.use_cls_token = True
         self.pos_embed = None
         if pos_embed_grid is not None:
             n = self.num_prefix_tokens + self.grid[0] * self.grid[1]
@@ -91,14 +93,13 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor, hw: Grid) -> tuple[torch.Tensor, Grid]:
         if self.downsample is not None:
             x, hw = self.downsample(x, hw)
-        if self.cls_token is not None:
+        prefix = self.num_prefix_tokens if self.use_cls_token else 0
+        if prefix:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
         if self.pos_embed is not None:
-            pos = self.pos_embed
+            pos = self.pos_embed[self.num_prefix_tokens - prefix :]
             if grid_differs(hw, self.grid):
-                pos = resize_pos_embed(
-                    pos, self.grid, hw, self.num_prefix_tokens, self.pos_resize_mode
-                )
+                pos = resize_pos_embed(pos, self.grid, hw, prefix, self.pos_resize_mode)
             x = self.pos_drop(x + pos)
         for blk in self.blocks:
             x = run_block(blk, x, hw, self.grad_checkpointing)

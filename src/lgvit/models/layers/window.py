@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from lgvit.models.layers.attention import Attention
 from lgvit.models.layers.helpers import Grid
@@ -42,7 +43,12 @@ def shifted_window_mask(hw: Grid, window: int, shift: int) -> torch.Tensor:
 
 class WindowAttention(Attention):
     """:class:`Attention` inside non-overlapping ``window x window`` windows, optionally
-    cyclically shifted by ``shift`` (Swin), with a relative-position bias over the window."""
+    cyclically shifted by ``shift`` (Swin), with a relative-position bias over the window.
+
+    ``pad_to_window`` (set by the dense backbone mode): a grid that is not a multiple of the
+    window is zero-padded at the bottom and right (after the block's norm), attended over with
+    the shift mask of the padded grid and cropped back, as Swin's detection and segmentation
+    backbones do; otherwise such a grid is an error."""
 
     # Why an exported graph cannot take other input sizes (``lgvit export --dynamic-size``).
     fixed_grid_reason = (
@@ -56,6 +62,7 @@ class WindowAttention(Attention):
         super().__init__(dim, num_heads, rel_pos_grid=window, **kwargs)
         self.window = window
         self.shift = shift
+        self.pad_to_window = False
         self._masks: dict[tuple[Grid, str], torch.Tensor] = {}
 
     def _mask(self, hw: Grid, device: torch.device) -> torch.Tensor:
@@ -67,11 +74,14 @@ class WindowAttention(Attention):
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, hw: Grid, attn_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        B, N, C = x.shape
         H, W = hw
-        w, s = self.window, self.shift
+        w = self.window
         if H % w or W % w:
-            raise ValueError(f"token grid {H}x{W} is not divisible by the window {w}")
+            if not self.pad_to_window:
+                raise ValueError(f"token grid {H}x{W} is not divisible by the window {w}")
+            return self._forward_padded(x, hw)
+        B, N, C = x.shape
+        s = self.shift
         if s:
             x = torch.roll(x.view(B, H, W, C), (-s, -s), (1, 2)).view(B, N, C)
         mask = None
@@ -84,3 +94,12 @@ class WindowAttention(Attention):
         if s:
             y = torch.roll(y.view(B, H, W, C), (s, s), (1, 2)).view(B, N, C)
         return y
+
+    def _forward_padded(self, x: torch.Tensor, hw: Grid) -> torch.Tensor:
+        B, _, C = x.shape
+        H, W = hw
+        w = self.window
+        Hp, Wp = -(-H // w) * w, -(-W // w) * w
+        x = F.pad(x.view(B, H, W, C), (0, 0, 0, Wp - W, 0, Hp - H))
+        y = self.forward(x.view(B, Hp * Wp, C), (Hp, Wp))
+        return y.view(B, Hp, Wp, C)[:, :H, :W].reshape(B, H * W, C)
