@@ -14,9 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lgvit.config import DATASETS, TTA_MODES
+from lgvit.config import DATASETS, SEG_DATASETS, TASKS, TTA_MODES
 from lgvit.constants import IMAGE_EXTENSIONS
 from lgvit.errors import LgvitError
+
+ALL_DATASETS = DATASETS + SEG_DATASETS
 
 
 def _fmt(v: object, spec: str = ".2f") -> str:
@@ -108,8 +110,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from lgvit.train import train
 
     cli = {
-        "model": args.model, "data": args.data, "data_dir": args.data_dir,
-        "img_size": args.img_size, "epochs": args.epochs, "batch_size": args.batch_size,
+        "task": args.task, "model": args.model, "data": args.data, "data_dir": args.data_dir,
+        "img_size": args.img_size, "epochs": args.epochs, "iters": args.iters,
+        "batch_size": args.batch_size,
         "out": args.out, "resume": args.resume, "amp": args.amp,
         "compile": True if args.compile else None, "seed": args.seed,
         "ema": True if args.model_ema else None,
@@ -170,6 +173,10 @@ TIMM_FLAGS: dict[str, tuple[str, Any, str]] = {
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    if _is_segmentation(args):
+        from lgvit.segment_cli import eval_segmentation
+
+        return eval_segmentation(args)
     from lgvit.data.datasets import FileImageSet, load_test_split
     from lgvit.data.loader import AugmentConfig
     from lgvit.data.stream import make_loader
@@ -286,8 +293,25 @@ def _label(classes: Sequence[str] | None, i: int) -> str:
     return classes[i] if i < len(classes) else f"class_{i}"
 
 
+def _is_segmentation(args: argparse.Namespace) -> bool:
+    """A segmentation checkpoint (its metadata says so) or segmentation data."""
+    from lgvit.checkpoint import load_metadata
+
+    if getattr(args, "data", None) in SEG_DATASETS:
+        return True
+    try:
+        return load_metadata(args.checkpoint).get("task") == "segmentation"
+    except LgvitError:
+        return False
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     import torch
+
+    if _is_segmentation(args) or args.out:
+        from lgvit.segment_cli import predict_segmentation
+
+        return predict_segmentation(args)
 
     from lgvit.inference import load_model, preprocess_images
 
@@ -448,11 +472,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="config keys (YAML files, --set key=value; precedence: defaults < YAML < flags "
         f"< --set):\n  {'key':20s} {'default':24s} meaning\n{keys}",
     )
+    p.add_argument("--task", choices=TASKS, help="default: classification (or the config's)")
     p.add_argument("--model", help="registered model name (default: lsa_micro_cifar)")
-    p.add_argument("--data", choices=DATASETS)
+    p.add_argument("--data", choices=ALL_DATASETS)
     p.add_argument("--data-dir", help="dataset archive or folder (no download needed)")
-    p.add_argument("--img-size", type=int)
+    p.add_argument("--img-size", type=int, help="input size (segmentation: the crop)")
     p.add_argument("--epochs", type=int)
+    p.add_argument("--iters", type=int, help="an iteration budget instead of --epochs")
     p.add_argument("--batch-size", type=int, help="per process")
     p.add_argument("--out", help="run directory (config, metrics.jsonl, checkpoints, log)")
     p.add_argument("--config", help="YAML file of config keys (see configs/)")
@@ -478,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", help="default: the name stored in the checkpoint")
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--data", required=True, choices=DATASETS)
+    p.add_argument("--data", required=True, choices=ALL_DATASETS)
     p.add_argument("--data-dir")
     p.add_argument("--cache-dir")
     p.add_argument("--img-size", type=int, help="default: the size it was trained at")
@@ -524,6 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=5)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: CUDA if any)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--out", help="segmentation: folder for each image's mask and overlay PNGs")
     p.add_argument("images", nargs="+")
     p.set_defaults(func=cmd_predict)
 

@@ -26,11 +26,14 @@ import yaml
 from lgvit.atomic import atomic_write_bytes
 from lgvit.constants import CROP_PCT
 from lgvit.data.datasets import DATASETS
+from lgvit.data.segmentation import SEG_DATASETS
 from lgvit.errors import LgvitError, first_line
 
 __all__ = [
     "AMP_MODES",
     "DATASETS",
+    "SEG_DATASETS",
+    "TASKS",
     "TrainConfig",
     "config_from_dict",
     "config_keys",
@@ -46,7 +49,8 @@ AMP_MODES = ("auto", "bf16", "fp16", "none")
 TRAIN_CROPS = ("random_crop", "random_resized_crop", "none")
 RE_MODES = ("pixel", "rand", "const")  # random erasing fill, as in timm
 OPTIMIZERS = ("adamw", "sgd", "lamb")
-SCHEDULES = ("cosine", "linear", "step", "none")
+SCHEDULES = ("cosine", "linear", "step", "poly", "none")
+TASKS = ("classification", "segmentation")
 TTA_MODES = ("none", "flip", "flip-translate")
 
 
@@ -54,6 +58,7 @@ TTA_MODES = ("none", "flip", "flip-translate")
 class TrainConfig:
     """Everything a training run needs; saved with every checkpoint."""
 
+    task: str = "classification"  # classification | segmentation (Semantic FPN on the model)
     # model
     model: str = "lsa_micro_cifar"  # registered model name (`lgvit info` lists them)
     num_classes: int | None = None  # None -> from the dataset
@@ -62,13 +67,14 @@ class TrainConfig:
     window_size: int | None = None  # None -> model default (Swin's attention windows)
     drop_path: float = 0.1  # stochastic depth rate of the last block (linear from 0)
     # data
-    data: str = "cifar10"  # cifar10 | cifar100 | imagefolder | digits | synthetic
+    data: str = "cifar10"  # cifar10 | cifar100 | imagefolder | digits | synthetic | ade20k | ...
     data_dir: str | None = None  # archive or folder of the data (cifar: downloaded if None)
     cache_dir: str | None = None  # where decoded uint8 images are cached (~/.cache/lgvit)
     max_bad_fraction: float = 0.05  # unreadable images tolerated per split before stopping
     stream: bool | None = None  # imagefolder: None = stream from files when too big to cache
     # schedule
     epochs: int = 300  # training epochs
+    iters: int | None = None  # an iteration budget instead (the run's epochs follow from it)
     batch_size: int = 64  # per process
     lr: float = 5e-4  # for a global batch of lr_base_batch; scaled linearly, see scaled_lr()
     lr_base_batch: int = 512  # the global batch lr is given for (DeiT: 512)
@@ -81,7 +87,8 @@ class TrainConfig:
     opt_eps: float = 1e-8  # AdamW / LAMB epsilon
     opt: str = "adamw"  # adamw | sgd (momentum 0.9, nesterov) | lamb
     momentum: float = 0.9  # sgd
-    sched: str = "cosine"  # cosine | linear | step | none (after the linear warm-up)
+    sched: str = "cosine"  # cosine | linear | step | poly | none (after the linear warm-up)
+    poly_power: float = 0.9  # poly: lr = min_lr + (base - min_lr) * (1 - t)^power
     decay_epochs: float = 30.0  # step: multiply the lr by decay_rate every decay_epochs
     decay_rate: float = 0.1  # step: the factor
     # augmentation (DeiT)
@@ -99,6 +106,11 @@ class TrainConfig:
     remode: str = "pixel"  # random erasing fill: pixel | rand | const
     repeated_aug: int = 1  # repeated augmentation count (DeiT RASampler; 1: off)
     crop_pct: float = CROP_PCT  # eval: resize to size / crop_pct, then centre crop
+    # segmentation (mmseg's ADE20K pipeline; img_size is the crop)
+    seg_scale: tuple[int, int] = (2048, 512)  # images rescaled to fit (long, short) x ratio
+    seg_ratio_range: tuple[float, float] = (0.5, 2.0)  # training: random ratio of seg_scale
+    cat_max_ratio: float = 0.75  # training crops: at most this share of one class (10 tries)
+    photometric: bool = True  # training: mmseg's photometric distortion
     # progressive resizing: early epochs train on downscaled batches, then the full size
     train_size_start: int | None = None  # training input size of the first epochs (None: off)
     train_size_ramp: tuple[float, float] = (0.25, 0.75)  # run fractions: grows to img_size
@@ -422,7 +434,18 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
         values = v if isinstance(v, tuple | list) else (v,)
         if any(isinstance(x, float) and not math.isfinite(x) for x in values):
             fail(key, "must be a finite number")
-    choice("data", DATASETS)
+    choice("task", TASKS)
+    choice("data", DATASETS + SEG_DATASETS)
+    if (cfg.task == "segmentation") != (cfg.data in SEG_DATASETS):
+        fail("data", f"task={cfg.task} trains on "
+             + (", ".join(SEG_DATASETS) if cfg.task == "segmentation" else ", ".join(DATASETS)))
+    at_least("iters", 1, optional=True)
+    positive("poly_power")
+    unit("cat_max_ratio")
+    if not 0 < cfg.seg_ratio_range[0] <= cfg.seg_ratio_range[1]:
+        fail("seg_ratio_range", "must be two ratios, 0 < low <= high")
+    if min(cfg.seg_scale) < 1:
+        fail("seg_scale", "must be two sizes >= 1")
     choice("opt", OPTIMIZERS)
     choice("sched", SCHEDULES)
     choice("eval_tta", TTA_MODES)

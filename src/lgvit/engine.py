@@ -254,8 +254,13 @@ def train_one_epoch(
     images = start.images
     nonfinite = _NonFinite(run.opt, cfg, d)
     bar = d.main and on_terminal()
-    progress = StepProgress(len(loader) - start.batch, f"epoch {epoch + 1}/{cfg.epochs}", bar)
+    todo = min(len(loader) - start.batch, run.total_steps - step)  # an iteration budget's end
+    progress = StepProgress(todo, f"epoch {epoch + 1}/{run.epochs}", bar)
+    batches = start.batch
     for i, batch in enumerate(loader, start=start.batch):
+        if step >= run.total_steps:
+            break
+        batches += 1
         lr = run.opt.set_lr(step)
         loss, n = run.task.loss(run.net, batch, epoch, d, run.amp)
         if nonfinite.before_step(loss, epoch, i):
@@ -265,7 +270,7 @@ def train_one_epoch(
         images += n
         step += 1
         _report_step(run, progress, loss, lr, n, step, epoch, i, bar, nonfinite)
-        save, stop = run.ctl.due(i + 1, i + 1 == len(loader), step)
+        save, stop = run.ctl.due(i + 1, i + 1 == len(loader) or step == run.total_steps, step)
         if save:
             progress.close()
             run.save(epoch, step, False, EpochProgress(i + 1, float(loss_sum), images))
@@ -275,7 +280,7 @@ def train_one_epoch(
             raise run.ctl.preempted(f"at epoch {epoch + 1} step {i + 1}/{len(loader)}", cfg.out)
     progress.close()
     nonfinite.check(f"in epoch {epoch + 1}")
-    steps = torch.tensor(float(len(loader)), dtype=sum_dtype, device=d.device)
+    steps = torch.tensor(float(batches), dtype=sum_dtype, device=d.device)
     stats = all_reduce_sum(torch.stack([loss_sum, steps]), d)
     mean_loss = (stats[0] / stats[1].clamp(min=1)).item()
     return mean_loss, images * d.world_size, step
@@ -359,6 +364,14 @@ class Run:
     @property
     def model(self) -> nn.Module:
         return self.prepared.model
+
+    @property
+    def epochs(self) -> int:
+        return run_epochs(self.cfg, len(self.prepared.train_loader))
+
+    @property
+    def total_steps(self) -> int:
+        return self.opt.schedule["total_steps"]
 
     def save(self, epoch: int, step: int, is_best: bool, mid: EpochProgress | None = None) -> None:
         """Atomic checkpoints by rank 0 (``last``, and ``best``); every rank's RNG state (and,
@@ -468,6 +481,16 @@ def _resumed_config(
     )
 
 
+def run_epochs(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """The run's epochs: ``epochs``, or as many as an iteration budget (``iters``) needs (the
+    last one stops at the budget)."""
+    return -(-cfg.iters // steps_per_epoch) if cfg.iters else cfg.epochs
+
+
+def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    return cfg.iters if cfg.iters else cfg.epochs * steps_per_epoch
+
+
 def _optimisation(
     cfg: TrainConfig, task: Task, prepared: Prepared, d: Dist, amp: Any
 ) -> Optimisation:
@@ -477,7 +500,7 @@ def _optimisation(
     scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 else None
     ema = ModelEma(model, cfg.ema_decay) if cfg.ema else None
     schedule = dict(
-        total_steps=cfg.epochs * steps_per_epoch,
+        total_steps=total_steps(cfg, steps_per_epoch),
         warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
         cfg=cfg, base_lr=base_lr, steps_per_epoch=steps_per_epoch,
     )  # fmt: skip
@@ -485,10 +508,12 @@ def _optimisation(
 
 
 def _warn_warmup(cfg: TrainConfig, opt: Optimisation) -> None:
-    if cfg.warmup_epochs >= cfg.epochs and cfg.warmup_epochs > 0:
+    sch = opt.schedule
+    if cfg.warmup_epochs > 0 and sch["warmup_steps"] >= sch["total_steps"]:
         final = lr_at(opt.schedule["total_steps"] - 1, **opt.schedule)
+        run_is = f"the {cfg.iters}-iteration budget" if cfg.iters else f"epochs {cfg.epochs}"
         warnings.warn(
-            f"warmup_epochs {cfg.warmup_epochs:g} >= epochs {cfg.epochs}: the learning rate "
+            f"warmup_epochs {cfg.warmup_epochs:g} >= {run_is}: the learning rate "
             f"rises for the whole run and ends at {final:.3g}, below its peak "
             f"{opt.schedule['base_lr']:.3g} (lower --set warmup_epochs=...)",
             stacklevel=3,
@@ -581,7 +606,7 @@ def _start(
     net = _wrap(model, cfg, d)
     spe = len(prepared.train_loader)
     clock_start = state["global_step"] if state is not None else 0
-    clock = RunClock(cfg.epochs * spe, clock_start, spe, task.epoch_cost)
+    clock = RunClock(total_steps(cfg, spe), clock_start, spe, task.epoch_cost)
     run = Run(cfg, task, d, out, log, ctl, prepared, amp, opt, net, clock)
     pos = _restore(run, state, stem) if state is not None else _Position()
     return run, pos
@@ -626,7 +651,7 @@ def _epoch(run: Run, epoch: int, pos: _Position, t_start: float) -> bool:
     train_loss, seen, pos.step = train_one_epoch(run, epoch, pos.step, pos.in_epoch)
     pos.in_epoch = None
     train_time = time.time() - t0
-    last = epoch + 1 == cfg.epochs
+    last = epoch + 1 == run.epochs
     metrics: dict[str, Any] = {
         "epoch": epoch,
         "train_loss": round(train_loss, 6),
@@ -649,7 +674,7 @@ def _epoch(run: Run, epoch: int, pos: _Position, t_start: float) -> bool:
     at_size = f" at {metrics['train_size']}px" if "train_size" in metrics else ""
     tested = f", {tested}" if tested else ""
     run.log(
-        f"epoch {epoch + 1}/{cfg.epochs}{at_size}: train loss {train_loss:.4f}{tested}, "
+        f"epoch {epoch + 1}/{run.epochs}{at_size}: train loss {train_loss:.4f}{tested}, "
         f"{metrics['img_per_s']:.0f} img/s, {metrics['epoch_time_s']:.1f}s{eta}"
     )
     run.last_metrics = metrics
@@ -667,7 +692,7 @@ def _run(
 ) -> dict[str, Any]:  # fmt: skip
     run, pos = _start(cfg, task, explicit, d, out, lock, ctl)
     t_start = time.time()
-    for epoch in range(pos.epoch, run.cfg.epochs):
+    for epoch in range(pos.epoch, run.epochs):
         if _epoch(run, epoch, pos, t_start):
             break
     barrier(d)

@@ -21,8 +21,8 @@ def lr_at(
     steps_per_epoch: int = 1,
 ) -> float:
     """Linear warm-up from warmup_lr, then (``sched``) per-step cosine decay from base_lr to
-    min_lr, a per-step linear decay from base_lr to min_lr, a step decay by ``decay_rate``
-    every ``decay_epochs``, or a constant base_lr."""
+    min_lr, a per-step linear or poly (``poly_power``) decay from base_lr to min_lr, a step
+    decay by ``decay_rate`` every ``decay_epochs``, or a constant base_lr."""
     if step < warmup_steps:
         return cfg.warmup_lr + (base_lr - cfg.warmup_lr) * step / warmup_steps
     if cfg.sched == "none":
@@ -33,6 +33,8 @@ def lr_at(
     t = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     if cfg.sched == "linear":
         return cfg.min_lr + (base_lr - cfg.min_lr) * (1.0 - min(t, 1.0))
+    if cfg.sched == "poly":  # mmcv's PolyLrUpdaterHook (per iteration)
+        return cfg.min_lr + (base_lr - cfg.min_lr) * (1.0 - min(t, 1.0)) ** cfg.poly_power
     return cfg.min_lr + 0.5 * (base_lr - cfg.min_lr) * (1 + math.cos(math.pi * min(t, 1.0)))
 
 

@@ -235,6 +235,10 @@ class ClassificationTask:
 
 
 def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
-    """Run (or resume) a classification run as configured; returns the last epoch's metrics.
+    """Run (or resume) a run of ``cfg.task`` as configured; returns the last epoch's metrics.
     See :func:`lgvit.engine.run` for resuming and the run directory."""
+    if cfg.task == "segmentation":
+        from lgvit.segment import SegmentationTask
+
+        return run(cfg, SegmentationTask(), explicit)
     return run(cfg, ClassificationTask(), explicit)

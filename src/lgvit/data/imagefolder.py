@@ -3,17 +3,22 @@ decoded once into a memory-mapped uint8 ``.npy`` cache, or streamed from their f
 cache would be too large (ImageNet).
 
 A second run opens 60,000 CIFAR JPEGs from the cache in about a second. The cache key covers the
-root, the storage size and every file's path, size and mtime; the ``.json`` beside the ``.npy``
-is written last and marks a complete entry.
+root, the storage size, every file's path, size and mtime and the first and last bytes of (a
+sample of) the files; the ``.json`` beside the ``.npy`` is written last and marks a complete
+entry. Building an entry removes the ones it supersedes (same root and size, older files) and
+temp files of killed builds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +36,14 @@ from lgvit.constants import (
 )
 from lgvit.data import archives
 from lgvit.data.cifar import CIFAR10_CLASSES
-from lgvit.data.decode import STATUS_BAD, STATUS_OK, decode_to_npy, probe_size
+from lgvit.data.decode import (
+    STATUS_BAD,
+    STATUS_OK,
+    decode_to_npy,
+    no_space_error,
+    npy_writer,
+    probe_size,
+)
 from lgvit.data.splits import DatasetSplits, FileImageSet, ImageSet
 from lgvit.errors import LgvitError, first_line
 
@@ -39,7 +51,17 @@ __all__ = ["load_class_map", "load_imagefolder", "load_test_folder", "natural_ke
 
 # Bump when the decoded-cache layout or the decode/resize policy changes: old caches then miss.
 # 2: class folders in natural order (``2`` before ``10``), as timm's ImageFolder.
-_CACHE_VERSION = 2
+# 3: the key covers the files' first and last bytes; EXIF orientation applied; thin images bad.
+_CACHE_VERSION = 3
+# Same-size files with a restored mtime (``cp -p``, ``rsync -t``, a re-extracted tar) keep their
+# stat key, so the key also hashes the first and last _EDGE_BYTES of each file: all of a small
+# image, and a header, palette or first rows plus the end of the data of a large one. Reading
+# them costs an open() per file, as much as the stat again when the files are cached in memory
+# but a disk seek each when not; so above _FINGERPRINT_FILES files only an evenly spaced sample
+# is read (a same-size, same-mtime edit of an unsampled file, or in the middle of a large one,
+# goes unseen: the price of a second run that does not read the whole data set).
+_EDGE_BYTES = 4096
+_FINGERPRINT_FILES = 4096
 # Only the default: with images of mixed sizes and no img_size we store at 224 / 0.875 = 256.
 _DEFAULT_IMG_SIZE = 224
 
@@ -252,13 +274,35 @@ def load_test_folder(
     return FileImageSet(split.paths, labels, list(split.classes))
 
 
+def _source(root: Path, img_size: int | None) -> str:
+    """What a cache entry is of: entries of the same source with another key are superseded."""
+    return f"{os.path.realpath(root)}|{img_size}"
+
+
 def _cache_key(root: Path, img_size: int | None, splits: list[_SplitFiles]) -> str:
-    h = hashlib.sha256(f"v{_CACHE_VERSION}|{os.path.realpath(root)}|{img_size}".encode())
+    h = hashlib.sha256(f"v{_CACHE_VERSION}|{_source(root, img_size)}".encode())
     for sp in splits:
         h.update(f"|{sp.dirname}|{len(sp.stats)}".encode())
         for rel, size, mtime in sp.stats:
             h.update(f"\n{rel}\0{size}\0{mtime}".encode())
+    paths = [p for sp in splits for p in sp.paths]
+    step = max(1, -(-len(paths) // _FINGERPRINT_FILES))  # every file up to _FINGERPRINT_FILES
+    for path in paths[::step]:
+        h.update(_edges(path))
     return h.hexdigest()[:20]
+
+
+def _edges(path: str) -> bytes:
+    """The first and last ``_EDGE_BYTES`` of a file (all of a small one), length-prefixed."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_EDGE_BYTES)
+            if len(data) == _EDGE_BYTES:
+                f.seek(-min(_EDGE_BYTES, os.fstat(f.fileno()).st_size - _EDGE_BYTES), os.SEEK_END)
+                data += f.read(_EDGE_BYTES)
+    except OSError:  # unreadable now: the decode pass counts it
+        data = b"?"
+    return len(data).to_bytes(4, "little") + data
 
 
 def _read_cache(base: Path) -> tuple[np.ndarray, dict] | None:
@@ -348,9 +392,11 @@ def _cached_splits(
     """The splits from the decoded cache, building it first on a miss."""
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", root.name) or "root"
     base = cache / "imagefolder" / f"{safe}-{_cache_key(root, img_size, [train, val])}"
+    _remove_stale_temps(base.parent)
     cached = _read_cache(base)
     if cached is None:
-        _build_cache(base, [train, val], img_size)
+        _build_cache(base, [train, val], img_size, _source(root, img_size))
+        _prune_superseded(base, _source(root, img_size))
         cached = _read_cache(base)
         if cached is None:
             raise LgvitError(f"could not read back the decoded cache {base}.npy")
@@ -383,8 +429,8 @@ def _decode_all(
     """Decode ``paths`` into the ``.npy`` at ``out``: per-image status and the stored (H, W)."""
     first = probe_size(paths)
     if first is None:  # nothing readable at all: every row is bad
-        shape = (len(paths), 3, 1, 1)
-        np.lib.format.open_memmap(out, mode="w+", dtype=np.uint8, shape=shape).flush()
+        with npy_writer(out, (len(paths), 3, 1, 1)):
+            pass  # all zeros
         return np.full(len(paths), STATUS_BAD, dtype=np.uint8), (0, 0)
     native = _store_plan(first, img_size)
     if native is not None:
@@ -404,25 +450,34 @@ def _keep_rows(scratch: Path, ok: np.ndarray, out: Path) -> None:
     if ok.all():
         os.replace(scratch, out)
         return
-    # copying in blocks keeps memory flat
+    # copying in blocks keeps memory flat; reading through a map is safe, writing is not
     src = np.load(scratch, mmap_mode="r")
-    dst = np.lib.format.open_memmap(
-        out, mode="w+", dtype=np.uint8, shape=(int(ok.sum()), *src.shape[1:])
-    )
     keep = np.flatnonzero(ok)
-    for i in range(0, len(keep), 4096):
-        dst[i : i + 4096] = src[keep[i : i + 4096]]
-    dst.flush()
-    del src, dst
+    with npy_writer(out, (len(keep), *src.shape[1:])) as put:
+        for i in range(0, len(keep), 4096):
+            put(i, src[keep[i : i + 4096]])
+    del src
 
 
-def _build_cache(base: Path, splits: list[_SplitFiles], img_size: int | None) -> None:
-    """Decode every image of ``splits`` into ``base.npy`` (readable rows only) + ``base.json``."""
+def _build_cache(base: Path, splits: list[_SplitFiles], img_size: int | None, source: str) -> None:
+    """Decode every image of ``splits`` into ``base.npy`` (readable rows only) + ``base.json``.
+
+    A full disk is one line; whatever stops the build (that, a signal, an error) removes its
+    temp files, and a SIGKILL's are removed by the next build (:func:`_remove_stale_temps`)."""
+    base.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _write_cache(base, splits, img_size, source)
+    except OSError as e:  # the writers report their own; fsync or rename may still meet it
+        if e.errno == errno.ENOSPC:
+            raise no_space_error(base.parent) from None
+        raise
+
+
+def _write_cache(base: Path, splits: list[_SplitFiles], img_size: int | None, source: str) -> None:
     paths = [p for sp in splits for p in sp.paths]
     labels = np.array([lab for sp in splits for lab in sp.labels], dtype=np.int64)
     split_of = np.concatenate([np.full(len(sp.paths), i) for i, sp in enumerate(splits)])
-    base.parent.mkdir(parents=True, exist_ok=True)
-    scratch = base.with_name(f"{base.name}.tmp-{os.getpid()}.npy")
+    scratch = base.with_name(f"{base.name}.tmp-{os.getpid()}.npy")  # _TEMP_NAME relies on it
     try:
         status, hw = _decode_all(paths, img_size, scratch)
         ok = status == STATUS_OK
@@ -439,11 +494,85 @@ def _build_cache(base: Path, splits: list[_SplitFiles], img_size: int | None) ->
                 for i, sp in enumerate(splits)
             ],
             "store_hw": list(hw),
+            "source": source,
         }
         # The json is written last: its presence marks a complete cache entry.
         atomic_write_json(base.with_suffix(".json"), meta)
     finally:
         scratch.unlink(missing_ok=True)
+
+
+# Temp files of a cache build: ``<entry>.tmp-<pid>.npy`` (the decode pass) and lgvit.atomic's
+# ``.<entry>.npy.tmp-<pid>`` / ``.<entry>.json.tmp-<pid>``.
+_TEMP_NAME = re.compile(r"\.tmp-(\d+)(\.npy)?$")
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill(pid, 0) would terminate it there: assume alive
+        return True
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except (OverflowError, OSError):  # not a pid this system can have
+        return False
+    return True
+
+
+def _remove_stale_temps(folder: Path) -> list[str]:
+    """Delete temp files of cache builds whose process is gone (SIGKILL, a crash, a power cut:
+    up to the size of a whole cache each); returns their names. Builds running beside us keep
+    theirs. A cache directory shared between hosts (NFS) could see another host's pid as gone:
+    such a build then fails, and the next run rebuilds."""
+    removed = []
+    for name in _entries(folder):
+        found = _TEMP_NAME.search(name)
+        if found and not _pid_alive(int(found.group(1))):
+            try:
+                (folder / name).unlink()
+                removed.append(name)
+            except OSError:  # gone already (another run cleaning), or not ours to remove
+                continue
+    return removed
+
+
+def _entries(folder: Path) -> Iterator[str]:
+    try:
+        with os.scandir(folder) as it:
+            yield from (e.name for e in it if e.is_file(follow_symlinks=False))
+    except OSError:  # no cache folder yet
+        return
+
+
+def _prune_superseded(base: Path, source: str) -> list[str]:
+    """Delete the complete cache entries this new one ``base`` supersedes: the same ``source``
+    (data root and img_size) with another key (its files changed since), and entries of an
+    older cache version under the same name prefix. Without this every change to the data
+    would leave a full copy behind. Returns the removed entries' names."""
+    prefix = base.name.rsplit("-", 1)[0] + "-"
+    removed = []
+    for name in sorted(_entries(base.parent)):
+        other = base.parent / name
+        if not name.endswith(".json") or other.stem == base.name or _TEMP_NAME.search(name):
+            continue
+        try:
+            meta = json.loads(other.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(meta, dict):
+            continue
+        version = meta.get("version")
+        older = isinstance(version, int) and version < _CACHE_VERSION and name.startswith(prefix)
+        if meta.get("source") == source or older:
+            with contextlib.suppress(OSError):  # a mapped file on Windows: left for next time
+                other.unlink(missing_ok=True)  # first: without its json an entry is incomplete
+                other.with_suffix(".npy").unlink(missing_ok=True)
+                removed.append(other.stem)
+    return removed
 
 
 def _check_bad(split_dir: Path, bad: list[str], total: int, max_bad_fraction: float) -> None:

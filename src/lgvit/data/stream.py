@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from lgvit.data.decode import to_rgb
+from lgvit.data.decode import load_rgb
 from lgvit.data.loader import BatchLoader, _seed
 from lgvit.data.splits import FileImageSet, ImageSet
 from lgvit.data.transforms import normalize, resize_center_crop
@@ -84,10 +84,8 @@ class _DecodeBatches(Dataset):
         out = torch.zeros((len(self.batches[i]), 3, s, s), dtype=torch.uint8)
         ok = torch.zeros(len(self.batches[i]), dtype=torch.bool)
         for j, idx in enumerate(self.batches[i]):
-            try:
-                with Image.open(self.paths[idx]) as img:
-                    img.load()
-                    rgb = to_rgb(img)
+            try:  # upright (EXIF orientation); too large or too thin images refused
+                rgb = load_rgb(self.paths[idx])
             except Exception:  # unreadable file: masked out and counted by the loader
                 continue
             if self.train:

@@ -1,0 +1,176 @@
+"""Semantic segmentation: loading a segmenter, scoring it (mmseg's mIoU/mAcc/aAcc), predicting
+masks. Used by ``lgvit eval``/``predict`` and by the training task (:mod:`lgvit.segment`).
+
+The scores accumulate per class over the whole split, as mmseg's ``eval_metrics``: for class
+c, the intersection (pixels labelled c and predicted c), the union, the predicted and the
+labelled areas; ignored pixels (255) count nowhere. IoU_c = intersection / union and Acc_c =
+intersection / labelled area; mIoU and mAcc average them over the classes present (a class
+with no labelled and no predicted pixel is NaN and left out); aAcc = all intersections / all
+labelled pixels.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lgvit.data.segmentation import IGNORE
+from lgvit.errors import LgvitError, error_lines
+from lgvit.progress import StepProgress, on_terminal
+from lgvit.runtime import Dist, all_reduce_sum, autocast
+
+
+class SegMetrics:
+    """Per-class areas (float64), summed over batches and processes."""
+
+    def __init__(self, num_classes: int, device: torch.device | str = "cpu") -> None:
+        self.n = num_classes
+        self.areas = torch.zeros(4, num_classes, dtype=torch.float64, device=device)
+
+    def update(self, pred: torch.Tensor, label: torch.Tensor) -> None:
+        """``pred`` and ``label``: integer maps of one shape; ``label`` 255 is not scored."""
+        keep = label != IGNORE
+        p, t = pred[keep].long(), label[keep].long()
+        n = self.n
+        inter = torch.bincount(t[p == t], minlength=n)[:n]
+        area_p = torch.bincount(p, minlength=n)[:n]
+        area_t = torch.bincount(t, minlength=n)[:n]
+        self.areas += torch.stack([inter, area_p + area_t - inter, area_p, area_t]).to(self.areas)
+
+    def reduce(self, d: Dist) -> None:
+        self.areas = all_reduce_sum(self.areas, d)
+
+    def result(self) -> dict[str, Any]:
+        inter, union, _, label = self.areas.cpu().numpy()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            iou = inter / union
+            acc = inter / label
+        present = label > 0
+        return {
+            "mIoU": 100 * float(np.nanmean(iou)) if np.isfinite(iou).any() else 0.0,
+            "mAcc": 100 * float(np.nanmean(acc[present])) if present.any() else 0.0,
+            "aAcc": 100 * float(inter.sum() / max(label.sum(), 1)),
+            "per_class_iou": [None if math.isnan(v) else round(100 * float(v), 4) for v in iou],
+            "per_class_acc": [None if math.isnan(v) else round(100 * float(v), 4) for v in acc],
+        }
+
+
+def normalise(x: torch.Tensor, mean: Any, std: Any) -> torch.Tensor:
+    """uint8 ``(B, 3, H, W)`` -> float, normalised by ``[0, 1]``-unit mean/std."""
+    m = torch.tensor(mean, device=x.device).view(1, -1, 1, 1) * 255
+    s = torch.tensor(std, device=x.device).view(1, -1, 1, 1) * 255
+    return (x.float() - m) / s
+
+
+def predict_logits(
+    model: nn.Module, image: torch.Tensor, out_size: tuple[int, int], mean: Any, std: Any,
+    amp: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Class logits ``(B, C, *out_size)`` of uint8 images (resized back bilinear, float32)."""
+    device = next(model.parameters()).device
+    x = normalise(image.to(device), mean, std)
+    with torch.no_grad(), autocast(device, amp):
+        logits = model(x)
+    return F.interpolate(logits.float(), size=out_size, mode="bilinear", align_corners=False)
+
+
+def evaluate_segmentation(
+    model: nn.Module, loader: Any, num_classes: int, d: Dist, amp: torch.dtype | None,
+    mean: Any, std: Any, desc: str = "eval",
+) -> dict[str, Any]:  # fmt: skip
+    """mIoU, mAcc, aAcc and per-class IoU/Acc (%) over the loader's whole images, all ranks."""
+    was_training = model.training
+    model.eval()
+    metrics = SegMetrics(num_classes, d.device)
+    progress = StepProgress(len(loader), desc, d.main and on_terminal())
+    count = 0
+    for image, mask in loader:
+        mask = mask.to(d.device)
+        logits = predict_logits(model, image, tuple(mask.shape[-2:]), mean, std, amp)
+        metrics.update(logits.argmax(1), mask)
+        count += len(image)
+        progress.update(len(image))
+    progress.close()
+    metrics.reduce(d)
+    model.train(was_training)
+    result = metrics.result()
+    result["count"] = int(all_reduce_sum(torch.tensor(float(count), device=d.device), d).item())
+    return result
+
+
+# --------------------------------------------------------------------------------- loading
+
+
+def segmentation_metadata(meta: dict[str, str]) -> bool:
+    return meta.get("task") == "segmentation"
+
+
+def load_segmenter(
+    checkpoint: str, device: str | torch.device | None = None, model_name: str | None = None
+) -> nn.Module:
+    """An eval-mode :class:`~lgvit.dense.semfpn.SemanticFPN` from an lgvit segmentation
+    checkpoint (its metadata names the backbone, classes, sizes) or from the LIT authors'
+    mmseg ``.pth`` (``model_name`` = the backbone, e.g. ``lit_ti``; ADE20K's 150 classes).
+
+    ``model.seg_info`` holds what prediction needs: ``classes``, ``mean``, ``std``,
+    ``scale``."""
+    from lgvit.checkpoint import check_finite_weights, load_metadata, load_weights
+    from lgvit.data.segmentation import ADE20K_CLASSES
+    from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
+    from lgvit.dense.semfpn import create_segmenter
+    from lgvit.inference import resolve_device
+
+    try:
+        meta = load_metadata(checkpoint)
+    except LgvitError:
+        meta = {}
+    weights = load_weights(checkpoint)
+    name = model_name or meta.get("model")
+    if not name:
+        raise LgvitError(f"{checkpoint}: no backbone name stored in it; pass --model NAME")
+    if meta and not segmentation_metadata(meta):
+        raise LgvitError(f"{checkpoint}: a classification checkpoint, not a segmentation one")
+    try:
+        classes = json.loads(meta["classes"]) if "classes" in meta else list(ADE20K_CLASSES)
+        scale = json.loads(meta.get("seg_scale", "[2048, 512]"))
+        img_size = int(meta.get("img_size", 512))
+        mean = json.loads(meta["mean"]) if "mean" in meta else None
+        std = json.loads(meta["std"]) if "std" in meta else None
+    except (ValueError, TypeError, KeyError) as e:
+        raise LgvitError(f"{checkpoint}: malformed segmentation metadata ({e})") from None
+    model = create_segmenter(name, len(classes), img_size=img_size)
+    if is_mmseg_layout(weights):
+        weights = mmseg_to_lgvit(weights, model, str(checkpoint))
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        detail = (error_lines(e)[1:] or [str(e)])[0]
+        raise LgvitError(f"{checkpoint} does not fit Semantic FPN on {name}: {detail}") from None
+    check_finite_weights(model, checkpoint)
+    cfg = model.pretrained_cfg
+    model.seg_info = {
+        "classes": classes, "scale": scale, "backbone": name,
+        "mean": mean or list(cfg.get("mean", (0.485, 0.456, 0.406))),
+        "std": std or list(cfg.get("std", (0.229, 0.224, 0.225))),
+    }  # fmt: skip
+    return model.to(resolve_device(device)).eval()
+
+
+def palette(n: int) -> np.ndarray:
+    """``(n, 3)`` uint8 colours, distinct and stable (the PASCAL VOC bit pattern)."""
+    out = np.zeros((n, 3), dtype=np.uint8)
+    for i in range(n):
+        c, r, g, b = i + 1, 0, 0, 0
+        for k in range(8):
+            r |= ((c >> 0) & 1) << (7 - k)
+            g |= ((c >> 1) & 1) << (7 - k)
+            b |= ((c >> 2) & 1) << (7 - k)
+            c >>= 3
+        out[i] = (r, g, b)
+    return out

@@ -1,0 +1,141 @@
+"""Semantic segmentation on the shared run (:mod:`lgvit.engine`): Semantic FPN on any pyramid
+model, LIT's ADE20K recipe (configs/ade20k_semfpn_*.yaml).
+
+The task brings the segmenter (:mod:`lgvit.dense`), the data and mmseg's pipelines
+(:mod:`lgvit.data.segmentation`), the per-pixel cross-entropy and mIoU evaluation
+(:mod:`lgvit.dense.evaluate`); the run, its checkpoints, resume, preemption, DDP and logs are
+the engine's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lgvit.config import TrainConfig
+from lgvit.data.segmentation import (
+    IGNORE,
+    SegAugment,
+    SegEvalLoader,
+    SegTrainLoader,
+    load_seg_split,
+)
+from lgvit.dense.evaluate import evaluate_segmentation, normalise
+from lgvit.engine import Prepared
+from lgvit.errors import LgvitError, first_line
+from lgvit.models import get_model_config, is_model
+from lgvit.runtime import Dist, autocast, barrier
+
+DEFAULT_CROP = 512  # LIT's ADE20K crop
+
+
+def segmentation_loss(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy per pixel, 255 ignored, averaged over all pixels (ignored ones count 0):
+    mmseg 0.13's ``CrossEntropyLoss`` (no ``avg_non_ignore``)."""
+    loss = F.cross_entropy(logits.float(), mask, ignore_index=IGNORE, reduction="none")
+    return loss.mean()
+
+
+def build_segmenter(cfg: TrainConfig, num_classes: int, d: Dist) -> tuple[nn.Module, int]:
+    """Semantic FPN on ``cfg.model`` (a pyramid), checked to run at the crop size."""
+    from lgvit.dense.semfpn import create_segmenter
+
+    if not is_model(cfg.model):
+        raise LgvitError(f"unknown model {cfg.model!r} (`lgvit info` lists the registered ones)")
+    crop = cfg.img_size or DEFAULT_CROP
+    sync_bn = d.world_size > 1 and d.device.type == "cuda"  # SyncBatchNorm needs CUDA
+    try:
+        model = create_segmenter(
+            cfg.model, num_classes, drop_path_rate=cfg.drop_path, img_size=crop, sync_bn=sync_bn
+        )
+        with torch.no_grad():
+            model.eval()(torch.zeros(1, 3, crop, crop))
+    except (ValueError, RuntimeError) as e:
+        raise LgvitError(f"Semantic FPN on {cfg.model} at crop {crop}: {first_line(e)}") from None
+    model.train()
+    return model, crop
+
+
+@dataclass
+class SegmentationTask:
+    """Semantic segmentation (:class:`lgvit.engine.Task`)."""
+
+    identity_keys: tuple[str, ...] = ("task", "model", "data", "img_size", "num_classes")
+    best_metric: str = "mIoU"
+    cfg: TrainConfig | None = None
+    num_classes: int = 0
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
+
+    def prepare(self, cfg: TrainConfig, d: Dist) -> Prepared:
+        self.cfg = cfg
+        if d.main:  # rank 0 first: an archive is extracted once
+            train = load_seg_split(cfg.data, cfg.data_dir, "train", cfg.cache_dir)
+            barrier(d)
+        else:
+            barrier(d)
+            train = load_seg_split(cfg.data, cfg.data_dir, "train", cfg.cache_dir)
+        val = load_seg_split(cfg.data, cfg.data_dir, "val", cfg.cache_dir)
+        self.num_classes = len(train.classes)
+        if cfg.num_classes and cfg.num_classes != self.num_classes:
+            raise LgvitError(
+                f"num_classes={cfg.num_classes} but {cfg.data} has {self.num_classes} classes"
+            )
+        model, crop = build_segmenter(cfg, self.num_classes, d)
+        pcfg = get_model_config(cfg.model)
+        self.mean, self.std = tuple(pcfg.mean), tuple(pcfg.std)
+        aug = SegAugment(crop=crop, scale=cfg.seg_scale, ratio_range=cfg.seg_ratio_range,
+                         cat_max_ratio=cfg.cat_max_ratio, hflip=cfg.hflip,
+                         photometric=cfg.photometric)  # fmt: skip
+        train_loader = SegTrainLoader(train, aug, cfg.batch_size, cfg.seed, d.rank,
+                                      d.world_size, cfg.workers)  # fmt: skip
+        test_loader = SegEvalLoader(val, cfg.seg_scale, d.rank, d.world_size, cfg.workers)
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        description = (
+            f"Semantic FPN on {cfg.model} ({params:.2f}M params), data {cfg.data}: "
+            f"{len(train)} train / {len(val)} val images, {self.num_classes} classes, "
+            f"crop {crop}px"
+        )
+        meta = {
+            "task": "segmentation", "model": cfg.model, "img_size": str(crop),
+            "num_classes": str(self.num_classes), "classes": json.dumps(list(train.classes)),
+            "mean": json.dumps(list(self.mean)), "std": json.dumps(list(self.std)),
+            "dataset": cfg.data, "seg_scale": json.dumps(list(cfg.seg_scale)),
+        }  # fmt: skip
+        return Prepared(model, train_loader, test_loader, meta, description)
+
+    def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
+        # LIT's segmentation configs: AdamW with one weight decay for every parameter.
+        params = [p for p in model.parameters() if p.requires_grad]
+        return [{"params": params, "weight_decay": cfg.weight_decay}]
+
+    def loss(
+        self, model: nn.Module, batch: Any, epoch: int, d: Dist, amp: torch.dtype | None
+    ) -> tuple[torch.Tensor, int]:
+        image, mask = batch
+        x = normalise(image.to(d.device, non_blocking=True), self.mean, self.std)
+        mask = mask.to(d.device, non_blocking=True)
+        with autocast(d.device, amp):
+            logits = model(x)
+        return segmentation_loss(logits, mask), len(x)
+
+    def evaluate(
+        self, model: nn.Module, loader: Any, d: Dist, amp: torch.dtype | None, desc: str
+    ) -> dict[str, Any]:
+        return evaluate_segmentation(model, loader, self.num_classes, d, amp, self.mean,
+                                     self.std, desc)  # fmt: skip
+
+    def summary(self, result: dict[str, Any]) -> str:
+        parts = [f"{k} {result[k]:.2f}%" for k in ("mIoU", "mAcc", "aAcc") if k in result]
+        return " ".join(parts)
+
+    def epoch_info(self, epoch: int) -> dict[str, Any]:
+        return {}
+
+    def epoch_cost(self, epoch: int) -> float:
+        return 1.0

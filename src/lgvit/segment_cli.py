@@ -1,0 +1,119 @@
+"""``lgvit eval`` and ``lgvit predict`` for segmentation checkpoints (Semantic FPN)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from lgvit.errors import LgvitError
+
+
+def eval_segmentation(args: argparse.Namespace) -> int:
+    """mIoU, mAcc, aAcc and per-class IoU of a segmentation checkpoint on a split's whole
+    images (mmseg's single-scale ``whole`` inference)."""
+    from lgvit.data.segmentation import SEG_DATASETS, SegEvalLoader, load_seg_split
+    from lgvit.dense.evaluate import evaluate_segmentation, load_segmenter
+    from lgvit.runtime import Dist, resolve_amp
+
+    if args.data not in SEG_DATASETS:
+        raise LgvitError(
+            f"{args.checkpoint} is a segmentation model; evaluate it on {' or '.join(SEG_DATASETS)}"
+        )
+    model = load_segmenter(args.checkpoint, args.device, args.model)
+    info = model.seg_info
+    split = load_seg_split(args.data, args.data_dir, "val", args.cache_dir)
+    if list(split.classes) != list(info["classes"]) and not args.any_classes:
+        raise LgvitError(
+            f"{args.checkpoint} was trained on {len(info['classes'])} classes "
+            f"({', '.join(info['classes'][:3])}, ...) but {args.data_dir} has "
+            f"{len(split.classes)} ({', '.join(split.classes[:3])}, ...); pass --any-classes "
+            "to evaluate anyway"
+        )
+    device = next(model.parameters()).device
+    loader = SegEvalLoader(split, info["scale"], workers=args.workers)
+    amp = resolve_amp(args.amp, device)
+    n = len(info["classes"])
+    res = evaluate_segmentation(model, loader, n, Dist(device=device), amp, info["mean"],
+                                info["std"])  # fmt: skip
+    res.update(checkpoint=str(args.checkpoint), data=args.data, images=len(split),
+               classes=list(split.classes), scale=list(info["scale"]))  # fmt: skip
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(f"{args.checkpoint} on {args.data} ({res['count']} images, scale "
+          f"{info['scale'][0]}x{info['scale'][1]}, whole image)")  # fmt: skip
+    if len(split.classes) <= 150:
+        for name, iou, acc in zip(split.classes, res["per_class_iou"], res["per_class_acc"],
+                                  strict=True):  # fmt: skip
+            iou_s = "   -  " if iou is None else f"{iou:6.2f}"
+            acc_s = "   -  " if acc is None else f"{acc:6.2f}"
+            print(f"  {name:24s} IoU {iou_s}%  Acc {acc_s}%")
+    print(f"mIoU {res['mIoU']:.2f}%  mAcc {res['mAcc']:.2f}%  aAcc {res['aAcc']:.2f}%")
+    return 0
+
+
+def predict_segmentation(args: argparse.Namespace) -> int:
+    """Per image: ``NAME_mask.png`` (class indices, 8-bit) and ``NAME_overlay.png`` (the
+    image with the classes' colours at 50%), in ``--out``; a JSON line per image with the
+    classes found and their share of the pixels."""
+    from lgvit.cli import _expand_images
+    from lgvit.data.decode import read_image_rgb
+    from lgvit.data.segmentation import eval_sample
+    from lgvit.dense.evaluate import load_segmenter, palette, predict_logits
+
+    if not args.out:
+        raise LgvitError("segmentation predict writes PNGs: pass --out DIR")
+    images = _expand_images(args.images)
+    model = load_segmenter(args.checkpoint, args.device, args.model)
+    info = model.seg_info
+    colours = palette(len(info["classes"]))
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LgvitError(f"--out {out}: cannot create it ({e.strerror})") from None
+    results, failed = [], []
+    for path in images:
+        try:
+            img = read_image_rgb(path)
+        except LgvitError as e:
+            failed.append(str(e))
+            continue
+        x = eval_sample(img, info["scale"])[None]
+        logits = predict_logits(model, x, tuple(img.shape[-2:]), info["mean"], info["std"])
+        pred = logits.argmax(1)[0].to(torch.uint8).cpu().numpy()
+        stem = Path(path).stem
+        _save_png(Image.fromarray(pred), out / f"{stem}_mask.png")
+        overlay = (0.5 * img.permute(1, 2, 0).numpy() + 0.5 * colours[pred]).astype(np.uint8)
+        _save_png(Image.fromarray(overlay), out / f"{stem}_overlay.png")
+        counts = np.bincount(pred.ravel(), minlength=len(colours))
+        share = {info["classes"][c]: round(float(counts[c] / pred.size), 4)
+                 for c in np.argsort(-counts) if counts[c]}  # fmt: skip
+        results.append({"image": path, "mask": str(out / f"{stem}_mask.png"), "classes": share})
+    if failed and not results:
+        raise LgvitError(failed[0])
+    for msg in failed:
+        print(f"lgvit predict: skipped: {msg}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for r in results:
+            top = ", ".join(f"{k} {100 * v:.1f}%" for k, v in list(r["classes"].items())[:5])
+            print(f"{r['image']}: {r['mask']} ({top})")
+    return 1 if failed else 0
+
+
+def _save_png(img: Image.Image, path: Path) -> None:
+    import io
+
+    from lgvit.atomic import atomic_write_bytes
+
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    atomic_write_bytes(path, buf.getvalue())
