@@ -585,8 +585,9 @@ def _start(
         check_same_classes(stem, prepared.metadata)
     if weights is not None:
         model.load_state_dict(weights)
-    elif cfg.initial_checkpoint:
-        log(load_initial_weights(model, cfg.initial_checkpoint))
+    elif cfg.initial_checkpoint:  # a task may read other layouts (a backbone's weights)
+        load = getattr(task, "load_initial", None) or load_initial_weights
+        log(load(model, cfg.initial_checkpoint))
     model.to(d.device)
     amp = resolve_amp(cfg.amp, d.device)
     if d.main:  # written once the run is known to start: a refused start changes nothing

@@ -61,6 +61,16 @@ def build_segmenter(cfg: TrainConfig, num_classes: int, d: Dist) -> tuple[nn.Mod
     return model, crop
 
 
+def _load(model: nn.Module, weights: dict[str, torch.Tensor], path: str, what: str) -> None:
+    from lgvit.errors import error_lines
+
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        detail = (error_lines(e)[1:] or [first_line(e)])[0]
+        raise LgvitError(f"--initial-checkpoint {path} does not fit {what}: {detail}") from None
+
+
 @dataclass
 class SegmentationTask:
     """Semantic segmentation (:class:`lgvit.engine.Task`)."""
@@ -108,6 +118,36 @@ class SegmentationTask:
             "dataset": cfg.data, "seg_scale": json.dumps(list(cfg.seg_scale)),
         }  # fmt: skip
         return Prepared(model, train_loader, test_loader, meta, description)
+
+    def load_initial(self, model: nn.Module, path: str) -> str:
+        """``--initial-checkpoint``: a segmentation checkpoint (lgvit's, or the authors' mmseg
+        ``.pth``) fine-tunes the whole model (a classifier of another class count dropped);
+        anything else is the backbone's classification weights (lgvit's, the authors'
+        ``.pth``, timm's), read as ``create_model`` reads them, head and final norm left out."""
+        from lgvit.checkpoint import load_weights
+        from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
+        from lgvit.models import create_model
+
+        weights = load_weights(path)
+        if is_mmseg_layout(weights) or any(k.startswith("decode_head.") for k in weights):
+            if is_mmseg_layout(weights):
+                weights = mmseg_to_lgvit(weights, model, path)
+            own = model.state_dict()
+            head = [k for k in weights if k.startswith("decode_head.conv_seg.")
+                    and k in own and weights[k].shape != own[k].shape]  # fmt: skip
+            for k in head:
+                weights[k] = own[k]
+            _load(model, weights, path, f"Semantic FPN on {self.cfg.model}")
+            dropped = " (its classifier for another class count dropped)" if head else ""
+            return f"started from the Semantic FPN weights of {path}{dropped}"
+        try:
+            cls = create_model(self.cfg.model, checkpoint_path=path)
+        except LgvitError as e:
+            raise LgvitError(f"--initial-checkpoint: {e}") from None
+        inner = model.backbone.model
+        sd = {k: v for k, v in cls.state_dict().items() if k in inner.state_dict()}
+        _load(inner, {**inner.state_dict(), **sd}, path, self.cfg.model)
+        return f"backbone started from the classification weights of {path} ({len(sd)} tensors)"
 
     def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
         # LIT's segmentation configs: AdamW with one weight decay for every parameter.
