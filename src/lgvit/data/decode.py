@@ -232,8 +232,13 @@ def _noting_signals() -> Iterator[list[int]]:
         yield got
         return
     before: dict[int, Any] = {}
+    owner = os.getpid()
 
     def note(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:  # a pool worker forked before its initializer ran: just end
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         got.append(signum)
         if callable(before[signum]):
             before[signum](signum, frame)
@@ -255,8 +260,8 @@ def _stopped(signum: int) -> LgvitError:
 
     name = signal.Signals(signum).name
     return Preempted(
-        f"stopped by {name} while decoding images into the cache; nothing was saved and the "
-        "partial cache was removed: run the same command again to start over",
+        f"stopped by {name} while decoding images into the cache (before any training or "
+        "evaluation); the partial cache file was removed: run the same command again to go on",
         signum,
     )
 
@@ -292,6 +297,7 @@ def npy_writer(path: Path, shape: tuple[int, ...]) -> Iterator[Callable[[int, np
     row = int(np.prod(shape[1:], dtype=np.int64))
     size = len(header) + shape[0] * row
     folder = path.parent
+    path.unlink(missing_ok=True)  # a native-size pass's file, replaced: its space is free
     free = shutil.disk_usage(folder).free
     if free < size:
         raise no_space_error(folder, size, free)
