@@ -118,10 +118,8 @@ def test_the_authors_mmseg_checkpoint_layout_loads(name, tmp_path):
     definitions), random values: every key maps, shapes fit strictly, values land in place."""
     shapes = json.loads((FIXTURES / f"mmseg_semfpn_{name}_keys.json").read_text())
     g = torch.Generator().manual_seed(0)
-    sd = {
-        k: torch.randint(0, 9, s) if k.endswith("num_batches_tracked") else torch.randn(s, generator=g)
-        for k, s in shapes.items()
-    }  # fmt: skip
+    sd = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    sd.update({k: torch.tensor(7) for k in sd if k.endswith("num_batches_tracked")})
     path = tmp_path / f"sem_fpn_{name}.pth"
     torch.save({"meta": {"iter": 80000}, "state_dict": sd}, path)
     from lgvit.dense.evaluate import load_segmenter

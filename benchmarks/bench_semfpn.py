@@ -1,0 +1,116 @@
+"""Semantic FPN with each LIT Table 7 backbone at 512x512: params, MACs, inference and training
+img/s, peak memory, beside the paper's params and mIoU.
+
+    python benchmarks/bench_semfpn.py [--backbones lit_ti lit_s pvt_small swin_tiny lsa_small_224]
+                                      [--size 512] [--batch 2] [--steps 3] [--amp none|bf16]
+
+Every backbone runs alone in a fresh spawned process (peak RSS is that process's, counted from
+just before its first training step); times are medians of ``--steps`` after one warm-up.
+Training step: forward, per-pixel cross-entropy (255 ignored), backward, AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from lgvit.measure import (
+    count_macs_of,
+    describe_machine,
+    peak_rss_mb,
+    reset_peak_rss,
+    run_in_fresh_process,
+)
+
+# LIT's Table 7 (Semantic FPN on ADE20K): params (M) and mIoU (%).
+PAPER = {"pvt_small": (28, 39.8), "lit_ti": (24, 41.3), "swin_tiny": (32, 41.5),
+         "lit_s": (32, 41.7)}  # fmt: skip
+
+
+def measure(name: str, size: int, batch: int, steps: int, amp: str, threads: int) -> dict:
+    from lgvit.dense.semfpn import create_segmenter
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = create_segmenter(name, 150, img_size=size)
+    params = sum(p.numel() for p in meta.parameters())
+    macs = count_macs_of(lambda: meta.eval()(torch.zeros(1, 3, size, size, device="meta")))
+    model = create_segmenter(name, 150, img_size=size)
+    bf16 = amp == "bf16"
+    x = torch.randn(batch, 3, size, size)
+    y = torch.randint(0, 150, (batch, size, size))
+
+    def infer() -> None:
+        model.eval()
+        with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            model(x)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4)
+
+    def train() -> None:
+        model.train()
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            logits = model(x)
+        F.cross_entropy(logits.float(), y, ignore_index=255).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def timed(fn) -> float:  # noqa: ANN001
+        fn()  # warm-up
+        ts = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    t_inf = timed(infer)
+    reset_peak_rss()
+    t_train = timed(train)
+    return {
+        "backbone": name, "params_m": params / 1e6, "gmacs": macs / 1e9,
+        "infer_img_s": batch / t_inf, "train_img_s": batch / t_train,
+        "peak_train_gb": peak_rss_mb() / 1024,
+    }  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default = ["lit_ti", "lit_s", "pvt_small", "swin_tiny", "lsa_small_224"]
+    p.add_argument("--backbones", nargs="+", default=default)
+    p.add_argument("--size", type=int, default=512)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--amp", choices=["none", "bf16"], default="none")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    rows = [
+        run_in_fresh_process(
+            measure, (n, args.size, args.batch, args.steps, args.amp, args.threads)
+        )
+        for n in args.backbones
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"Semantic FPN, 150 classes, {args.size}x{args.size}, batch {args.batch}, "
+          f"amp {args.amp}, {args.threads} threads; {describe_machine()}")  # fmt: skip
+    print("| backbone | params (M) | paper params (M) | GMACs | inference img/s | "
+          "training img/s | peak memory, training (GB) | paper mIoU |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        pp, miou = PAPER.get(r["backbone"], ("-", "-"))
+        print(f"| {r['backbone']} | {r['params_m']:.2f} | {pp} | {r['gmacs']:.1f} | "
+              f"{r['infer_img_s']:.2f} | {r['train_img_s']:.2f} | {r['peak_train_gb']:.2f} | "
+              f"{miou} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
