@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from lgvit.config import DATASETS, SEG_DATASETS, TASKS, TTA_MODES
-from lgvit.constants import IMAGE_EXTENSIONS
 from lgvit.errors import LgvitError
 
 ALL_DATASETS = DATASETS + SEG_DATASETS
@@ -267,24 +266,6 @@ def _preview(names: Sequence[str], n: int = 3) -> str:
     return "[" + ", ".join(list(names)[:n]) + (", ...]" if len(names) > n else "]")
 
 
-def _expand_images(paths: Sequence[str]) -> list[str]:
-    """Files as given; a directory stands for the images in it (sorted, not recursive)."""
-    out: list[str] = []
-    for p in paths:
-        if Path(p).is_dir():
-            found = sorted(
-                str(f) for f in Path(p).iterdir() if f.suffix.lower() in IMAGE_EXTENSIONS
-            )
-            if not found:
-                raise LgvitError(
-                    f"{p}: a directory with no image files ({', '.join(IMAGE_EXTENSIONS)})"
-                )
-            out += found
-        else:
-            out.append(p)
-    return out
-
-
 def _label(classes: Sequence[str] | None, i: int) -> str:
     """Class ``i``'s name; a head wider than the named classes (``--num-classes`` above the
     data's) has unnamed outputs: ``class_12``."""
@@ -317,7 +298,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     if args.topk < 1:
         raise LgvitError(f"--topk {args.topk}: must be at least 1")
-    images = _expand_images(args.images)
+    from lgvit.inference import expand_images
+
+    images = expand_images(args.images)
     model = load_model(args.checkpoint, args.device, args.model, args.img_size)
     device = next(model.parameters()).device
     classes = model.pretrained_cfg.get("label_names")  # the checkpoint's class names

@@ -395,6 +395,27 @@ def scaled_lr(cfg: TrainConfig, world_size: int) -> float:
     return cfg.lr * cfg.batch_size * world_size / cfg.lr_base_batch
 
 
+def _validate_task(cfg: TrainConfig, fail: Any) -> None:
+    """The task, its data, the iteration budget and the segmentation keys."""
+    if cfg.task not in TASKS:
+        fail("task", f"must be one of {', '.join(TASKS)}")
+    if cfg.data not in DATASETS + SEG_DATASETS:
+        fail("data", f"must be one of {', '.join(DATASETS + SEG_DATASETS)}")
+    if (cfg.task == "segmentation") != (cfg.data in SEG_DATASETS):
+        trains_on = SEG_DATASETS if cfg.task == "segmentation" else DATASETS
+        fail("data", f"task={cfg.task} trains on {', '.join(trains_on)}")
+    if cfg.iters is not None and cfg.iters < 1:
+        fail("iters", "must be >= 1")
+    if not cfg.poly_power > 0:
+        fail("poly_power", "must be > 0")
+    if not 0 <= cfg.cat_max_ratio <= 1:
+        fail("cat_max_ratio", "must be in [0, 1]")
+    if not 0 < cfg.seg_ratio_range[0] <= cfg.seg_ratio_range[1]:
+        fail("seg_ratio_range", "must be two ratios, 0 < low <= high")
+    if min(cfg.seg_scale) < 1:
+        fail("seg_scale", "must be two sizes >= 1")
+
+
 def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) -> None:
     """Raise LgvitError naming the first key whose value is out of range."""
     sources = sources or {}
@@ -434,18 +455,7 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
         values = v if isinstance(v, tuple | list) else (v,)
         if any(isinstance(x, float) and not math.isfinite(x) for x in values):
             fail(key, "must be a finite number")
-    choice("task", TASKS)
-    choice("data", DATASETS + SEG_DATASETS)
-    if (cfg.task == "segmentation") != (cfg.data in SEG_DATASETS):
-        fail("data", f"task={cfg.task} trains on "
-             + (", ".join(SEG_DATASETS) if cfg.task == "segmentation" else ", ".join(DATASETS)))
-    at_least("iters", 1, optional=True)
-    positive("poly_power")
-    unit("cat_max_ratio")
-    if not 0 < cfg.seg_ratio_range[0] <= cfg.seg_ratio_range[1]:
-        fail("seg_ratio_range", "must be two ratios, 0 < low <= high")
-    if min(cfg.seg_scale) < 1:
-        fail("seg_scale", "must be two sizes >= 1")
+    _validate_task(cfg, fail)
     choice("opt", OPTIMIZERS)
     choice("sched", SCHEDULES)
     choice("eval_tta", TTA_MODES)

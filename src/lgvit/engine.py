@@ -37,7 +37,7 @@ from lgvit.checkpoint import (
 )
 from lgvit.config import TrainConfig, config_from_dict, config_to_dict, save_config, scaled_lr
 from lgvit.errors import LgvitError, last_line
-from lgvit.optim import ModelEma, build_optimizer, lr_at
+from lgvit.optim import ModelEma, build_optimizer, lr_at, run_epochs, total_steps
 from lgvit.preempt import RunControl
 from lgvit.progress import RunClock, StepProgress, format_duration, on_terminal
 from lgvit.rundir import RunLock, check_mid_epoch_batch, check_resumable, remove_stale_temps
@@ -254,11 +254,12 @@ def train_one_epoch(
     images = start.images
     nonfinite = _NonFinite(run.opt, cfg, d)
     bar = d.main and on_terminal()
-    todo = min(len(loader) - start.batch, run.total_steps - step)  # an iteration budget's end
-    progress = StepProgress(todo, f"epoch {epoch + 1}/{run.epochs}", bar)
+    budget = run.opt.schedule["total_steps"]  # an iteration budget may end inside the epoch
+    progress = StepProgress(min(len(loader) - start.batch, budget - step),
+                            f"epoch {epoch + 1}/{run.epochs}", bar)  # fmt: skip
     batches = start.batch
     for i, batch in enumerate(loader, start=start.batch):
-        if step >= run.total_steps:
+        if step >= budget:
             break
         batches += 1
         lr = run.opt.set_lr(step)
@@ -270,7 +271,7 @@ def train_one_epoch(
         images += n
         step += 1
         _report_step(run, progress, loss, lr, n, step, epoch, i, bar, nonfinite)
-        save, stop = run.ctl.due(i + 1, i + 1 == len(loader) or step == run.total_steps, step)
+        save, stop = run.ctl.due(i + 1, i + 1 == len(loader) or step == budget, step)
         if save:
             progress.close()
             run.save(epoch, step, False, EpochProgress(i + 1, float(loss_sum), images))
@@ -368,10 +369,6 @@ class Run:
     @property
     def epochs(self) -> int:
         return run_epochs(self.cfg, len(self.prepared.train_loader))
-
-    @property
-    def total_steps(self) -> int:
-        return self.opt.schedule["total_steps"]
 
     def save(self, epoch: int, step: int, is_best: bool, mid: EpochProgress | None = None) -> None:
         """Atomic checkpoints by rank 0 (``last``, and ``best``); every rank's RNG state (and,
@@ -479,16 +476,6 @@ def _resumed_config(
         weights,
         state,
     )
-
-
-def run_epochs(cfg: TrainConfig, steps_per_epoch: int) -> int:
-    """The run's epochs: ``epochs``, or as many as an iteration budget (``iters``) needs (the
-    last one stops at the budget)."""
-    return -(-cfg.iters // steps_per_epoch) if cfg.iters else cfg.epochs
-
-
-def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
-    return cfg.iters if cfg.iters else cfg.epochs * steps_per_epoch
 
 
 def _optimisation(

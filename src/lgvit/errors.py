@@ -24,3 +24,12 @@ def last_line(e: BaseException) -> str:
     type name when the message is blank."""
     lines = error_lines(e)
     return lines[-1] if lines else type(e).__name__
+
+
+class Preempted(LgvitError):
+    """Stopped by SIGTERM/SIGINT (training after saving, or decoding); ``exit_code`` is 128 +
+    the signal."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -6,11 +6,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from lgvit.constants import IMAGE_EXTENSIONS
 from lgvit.errors import LgvitError
 
 
@@ -152,3 +154,21 @@ def preprocess_images(model: nn.Module, paths: Sequence[str]) -> torch.Tensor:
         for p in paths
     ]
     return normalize(torch.cat(crops), pre.mean, pre.std)
+
+
+def expand_images(paths: Sequence[str]) -> list[str]:
+    """Files as given; a directory stands for the images in it (sorted, not recursive)."""
+    out: list[str] = []
+    for p in paths:
+        if Path(p).is_dir():
+            found = sorted(
+                str(f) for f in Path(p).iterdir() if f.suffix.lower() in IMAGE_EXTENSIONS
+            )
+            if not found:
+                raise LgvitError(
+                    f"{p}: a directory with no image files ({', '.join(IMAGE_EXTENSIONS)})"
+                )
+            out += found
+        else:
+            out.append(p)
+    return out

@@ -12,6 +12,17 @@ import torch.nn as nn
 from lgvit.config import TrainConfig
 
 
+def run_epochs(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """The run's epochs: ``epochs``, or as many as an iteration budget (``iters``) needs (the
+    last one stops at the budget)."""
+    return -(-cfg.iters // steps_per_epoch) if cfg.iters else cfg.epochs
+
+
+def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """The run's optimizer steps: ``iters``, or ``epochs`` whole epochs."""
+    return cfg.iters if cfg.iters else cfg.epochs * steps_per_epoch
+
+
 def lr_at(
     step: int,
     total_steps: int,

@@ -13,17 +13,8 @@ from typing import Any
 import torch
 
 from lgvit.config import TrainConfig
-from lgvit.errors import LgvitError
+from lgvit.errors import Preempted
 from lgvit.runtime import Dist, all_reduce_sum
-
-
-class Preempted(LgvitError):
-    """Training stopped by SIGTERM/SIGINT after saving; ``exit_code`` is 128 + the signal."""
-
-    def __init__(self, message: str, signum: int) -> None:
-        super().__init__(message)
-        self.exit_code = 128 + signum
-
 
 AGREE_EVERY = 8  # multi-process runs agree on a signal or a timed save every this many steps
 

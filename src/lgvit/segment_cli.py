@@ -62,14 +62,14 @@ def predict_segmentation(args: argparse.Namespace) -> int:
     """Per image: ``NAME_mask.png`` (class indices, 8-bit) and ``NAME_overlay.png`` (the
     image with the classes' colours at 50%), in ``--out``; a JSON line per image with the
     classes found and their share of the pixels."""
-    from lgvit.cli import _expand_images
     from lgvit.data.decode import read_image_rgb
     from lgvit.data.segmentation import eval_sample
     from lgvit.dense.evaluate import load_segmenter, palette, predict_logits
+    from lgvit.inference import expand_images
 
     if not args.out:
         raise LgvitError("segmentation predict writes PNGs: pass --out DIR")
-    images = _expand_images(args.images)
+    images = expand_images(args.images)
     model = load_segmenter(args.checkpoint, args.device, args.model)
     info = model.seg_info
     colours = palette(len(info["classes"]))

@@ -22,7 +22,7 @@ import torch
 from PIL import Image, ImageOps
 from tqdm import tqdm
 
-from lgvit.errors import LgvitError
+from lgvit.errors import LgvitError, Preempted
 
 __all__ = [
     "MAX_ASPECT",
@@ -256,8 +256,6 @@ def _noting_signals() -> Iterator[list[int]]:
 
 
 def _stopped(signum: int) -> LgvitError:
-    from lgvit.preempt import Preempted  # imported here: lgvit.preempt imports the config
-
     name = signal.Signals(signum).name
     return Preempted(
         f"stopped by {name} while decoding images into the cache (before any training or "

@@ -377,8 +377,8 @@ class SegTrainLoader:
             )
         self.epoch, self.start = 0, 0
 
-    def __len__(self) -> int:
-        return self.steps - self.start
+    def __len__(self) -> int:  # a whole epoch's steps, also when it is resumed mid-way
+        return self.steps
 
     def set_epoch(self, epoch: int, batch: int = 0, state: Any = None) -> None:
         self.epoch, self.start = epoch, batch
