@@ -224,3 +224,96 @@ def test_a_damaged_decoded_cache_is_rebuilt(tmp_path):
         assert torch.equal(again.train.images, want) and again.test.classes == ["a", "b"]
         del again
         assert json.loads(meta.read_text()) == full  # rebuilt whole
+
+
+# --------------------------------------------------------------------------- paths (item 9)
+
+
+def test_paths_that_cannot_be_used_are_one_line(cut, image, tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cli_error(capsys, "train", *DIGITS, "--epochs", "1", "--out", str(a_file / "run"),
+              needles=(str(a_file), "Not a directory"))  # fmt: skip
+    cli_error(capsys, "train", *DIGITS, "--epochs", "1", "--out", str(a_file),
+              needles=(str(a_file), "exists"))  # fmt: skip
+    ckpt = str(cut / "last")
+    cli_error(capsys, "export", ckpt, "--format", "hf", "--out", str(a_file / "x"),
+              needles=(str(a_file),))  # fmt: skip
+    cli_error(capsys, "viz", ckpt, str(image), "--what", "attention", "--device", "bogus",
+              needles=("--device 'bogus'",))  # fmt: skip
+    if not torch.cuda.is_available():
+        cli_error(capsys, "viz", ckpt, str(image), "--what", "attention", "--device", "cuda",
+                  needles=("CUDA is not available",))  # fmt: skip
+
+
+def test_odd_run_locks_are_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / ".lock").mkdir(parents=True)
+    cli_error(capsys, "train", *DIGITS, "--epochs", "1", "--out", str(out),
+              needles=(".lock is not a lock file (a folder)",))  # fmt: skip
+    (out / ".lock").rmdir()
+    (out / ".lock").write_text(
+        json.dumps({"pid": 10**30, "host": __import__("socket").gethostname()})
+    )
+    from lgvit.rundir import RunLock
+
+    lock = RunLock(out).acquire()  # a pid no process can have: a stale lock, taken over
+    assert "no longer runs" in lock.note
+    lock.release()
+
+
+def test_resume_with_an_initial_checkpoint_is_refused(cut, capsys):
+    cli_error(capsys, "train", "--out", str(cut), "--resume", "auto", "--initial-checkpoint",
+              str(cut / "last"), needles=("--initial-checkpoint starts a new run",))  # fmt: skip
+
+
+# --------------------------------------------------------------------------- config (item 11)
+
+
+@pytest.mark.parametrize(
+    ("setting", "needle"),
+    [
+        ("patch_size=0", "patch_size=0"), ("patch_size=-4", "patch_size=-4"),
+        ("seed=18446744073709551616", "seed="), ("crop_padding=100000", "crop_padding=100000"),
+        ("crop_padding=-5", "crop_padding=-5"), ("img_size=100000", "img_size=100000"),
+        ("drop_path=1", "drop_path=1"),
+    ],
+)  # fmt: skip
+def test_out_of_range_config_values_name_their_key(capsys, setting, needle):
+    line = cli_error(capsys, "train", *DIGITS, "--epochs", "1", "--set", setting)
+    assert needle in line, line
+
+
+def test_an_empty_out_is_refused(capsys):
+    cli_error(capsys, "train", *DIGITS, "--epochs", "1", "--out", "", needles=("out=''",))
+
+
+def test_yaml_alias_bombs_and_unhashable_keys_are_refused(tmp_path, capsys):
+    bomb = ['a: &a ["x","x","x","x","x","x","x","x","x"]']
+    for i in range(1, 9):
+        bomb.append(f"{chr(97 + i)}: &{chr(97 + i)} [" + ",".join([f"*{chr(96 + i)}"] * 9) + "]")
+    bomb.append("model: *i")
+    (tmp_path / "bomb.yaml").write_text("\n".join(bomb) + "\n")
+    line = cli_error(capsys, "train", "--config", str(tmp_path / "bomb.yaml"),
+                     needles=("bomb.yaml", "YAML aliases"))  # fmt: skip
+    assert len(line) < 300
+    (tmp_path / "key.yaml").write_text("? [a, b]\n: 1\n")
+    cli_error(capsys, "train", "--config", str(tmp_path / "key.yaml"),
+              needles=("key.yaml", "a key must be a name, not a list"))  # fmt: skip
+    # A few aliases are fine, and a huge value is quoted short.
+    (tmp_path / "ok.yaml").write_text(
+        "model: &m lsa_micro_cifar\nout: x\nlr: [" + "1," * 5000 + "1]\n"
+    )
+    line = cli_error(capsys, "train", "--config", str(tmp_path / "ok.yaml"), needles=("lr=",))
+    assert len(line) < 300
+
+
+def test_mid_epoch_resume_with_another_process_count_is_refused(tmp_path):
+    from lgvit.rundir import check_mid_epoch_batch
+
+    state = {"epoch": 0, "config": {"batch_size": 32},
+             "extra": {"mid_epoch": {"batch": 5}, "rng_per_rank": [{}, {}]}}  # fmt: skip
+    with pytest.raises(LgvitError, match=r"by 2 process\(es\); resume it with 2"):
+        check_mid_epoch_batch(state, None, tmp_path / "last", world_size=1)
+    check_mid_epoch_batch(state, None, tmp_path / "last", world_size=2)
+    check_mid_epoch_batch({**state, "extra": {"rng_per_rank": [{}, {}]}}, 64, tmp_path, 1)

@@ -589,3 +589,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"lgvit {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # a path that cannot be written or read: one line naming it
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"lgvit {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import reprlib
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -51,6 +52,7 @@ RE_MODES = ("pixel", "rand", "const")  # random erasing fill, as in timm
 OPTIMIZERS = ("adamw", "sgd", "lamb")
 SCHEDULES = ("cosine", "linear", "step", "poly", "none")
 TASKS = ("classification", "segmentation")
+MAX_IMG_SIZE = 4096  # beyond any model here; larger sizes only exhaust memory in the size probe
 TTA_MODES = ("none", "flip", "flip-translate")
 
 
@@ -124,6 +126,7 @@ class TrainConfig:
     device: str = "auto"  # auto (CUDA when there is one) | cpu | cuda
     amp: str = "auto"  # auto | bf16 | fp16 | none: mixed precision (auto: bf16 where supported)
     compile: bool = False  # torch.compile the model
+    grad_checkpointing: bool = False  # recompute block activations in backward (less memory)
     seed: int = 0  # data order, augmentation and initialisation
     workers: int = 2  # decoding processes when an image folder streams from its files
     out: str = "runs/default"  # run directory: config, metrics.jsonl, checkpoints, train.log
@@ -268,10 +271,25 @@ def _set_value(
 def _unknown_key_message(key: Any, where: str) -> str:
     close = difflib.get_close_matches(str(key), config_keys(), n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"{where}: unknown config key {key!r}{hint}; valid keys: {', '.join(config_keys())}"
+    return (
+        f"{where}: unknown config key {_short(key)}{hint}; valid keys: {', '.join(config_keys())}"
+    )
+
+
+# Values quoted in errors: bounded (a YAML value can be a huge or deeply shared structure).
+_REPR = reprlib.Repr()  # Python 3.11 takes no arguments here
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 2, 4, 4, 4
+_REPR.maxstring = _REPR.maxother = 60
+
+
+def _short(value: Any) -> str:
+    return _REPR.repr(value)
 
 
 # --------------------------------------------------------------------------- YAML
+
+
+MAX_YAML_ALIASES = 16
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -282,9 +300,13 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict
     seen: set[Any] = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node)
+        if not isinstance(key, str | int | float | bool | None):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a key must be a name, not a {type(key).__name__}", key_node.start_mark
+            )
         if key in seen:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
+                None, None, f"duplicate key {_short(key)}", key_node.start_mark
             )
         seen.add(key)
     return loader.construct_mapping(node)
@@ -300,7 +322,14 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise LgvitError(f"{path}: no such config file")
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        text = path.read_text(encoding="utf-8")
+        aliases = sum(isinstance(ev, yaml.AliasEvent) for ev in yaml.parse(text))
+        if aliases > MAX_YAML_ALIASES:  # an alias bomb expands exponentially when used
+            raise LgvitError(
+                f"{path}: {aliases} YAML aliases (*name); a flat config needs none, at most "
+                f"{MAX_YAML_ALIASES} are read"
+            )
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
@@ -317,7 +346,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     for key, value in data.items():
         if isinstance(value, dict):
             raise LgvitError(
-                f"{path}: key {key!r} holds a nested mapping; lgvit configs are flat (key: value)"
+                f"{path}: key {_short(key)} holds a nested mapping; lgvit configs are flat "
+                "(key: value)"
             )
     return data
 
@@ -341,12 +371,13 @@ def load_config_with_explicit(
     if path is not None:
         p = Path(path)
         for key, value in _read_yaml(p).items():
-            _set_value(values, sources, key, value, str(p), f"{p}: {key}={value!r}")
+            name = key if isinstance(key, str) else _short(key)
+            _set_value(values, sources, key, value, str(p), f"{p}: {name}={_short(value)}")
     for key, value in cli.items():
         if value is None:  # an absent flag; explicit values only
             continue
         flag = "--" + str(key).replace("_", "-")
-        _set_value(values, sources, key, value, flag, f"{flag} {value!r}")
+        _set_value(values, sources, key, value, flag, f"{flag} {_short(value)}")
     if overrides is None:
         overrides = ()
     elif isinstance(overrides, str):  # one "k=v" string, not an iterable of characters
@@ -371,7 +402,7 @@ def config_from_dict(data: Mapping[str, Any], source: str = "config") -> TrainCo
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for key, value in data.items():
-        _set_value(values, sources, key, value, source, f"{source}: {key}={value!r}")
+        _set_value(values, sources, key, value, source, f"{source}: {key}={_short(value)}")
     cfg = TrainConfig(**values)
     validate_config(cfg, sources)
     return cfg
@@ -393,6 +424,21 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
 def scaled_lr(cfg: TrainConfig, world_size: int) -> float:
     """Peak learning rate for this run: ``lr * global_batch / lr_base_batch`` (DeiT's rule)."""
     return cfg.lr * cfg.batch_size * world_size / cfg.lr_base_batch
+
+
+def _validate_sizes(cfg: TrainConfig, fail: Any) -> None:
+    """Architecture sizes, padding, the seed and the run directory."""
+    if cfg.img_size is not None and cfg.img_size > MAX_IMG_SIZE:
+        fail("img_size", f"must be <= {MAX_IMG_SIZE}")
+    for key in ("patch_size", "window_size"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
+            fail(key, "must be >= 1")
+    if not 0 <= cfg.crop_padding <= 256:
+        fail("crop_padding", "must be in [0, 256] pixels")
+    if not 0 <= cfg.seed < 2**32 - 2**16:  # numpy's seed range, less room for the ranks
+        fail("seed", f"must be in [0, {2**32 - 2**16})")
+    if not cfg.out:
+        fail("out", "must name the run directory")
 
 
 def _validate_task(cfg: TrainConfig, fail: Any) -> None:
@@ -423,7 +469,7 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
     def fail(key: str, rule: str) -> None:
         origin = sources.get(key)
         where = f" (from {origin})" if origin else ""
-        raise LgvitError(f"{key}={getattr(cfg, key)!r}{where}: {rule}")
+        raise LgvitError(f"{key}={_short(getattr(cfg, key))}{where}: {rule}")
 
     def choice(key: str, allowed: Iterable[str]) -> None:
         allowed = tuple(allowed)
@@ -476,6 +522,7 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
     unit("momentum", upper_open=True)
     at_least("num_classes", 1, optional=True)
     at_least("img_size", 1, optional=True)
+    _validate_sizes(cfg, fail)
     for key in ("lr", "min_lr", "warmup_lr", "warmup_epochs", "weight_decay", "mixup", "cutmix"):
         at_least(key, 0)
     at_least("workers", 0)
@@ -485,8 +532,9 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
     positive("opt_eps")
     positive("crop_pct")
     positive("offset_lr_factor")
-    for key in ("max_bad_fraction", "mixup_switch_prob", "mixup_prob", "reprob", "drop_path"):
+    for key in ("max_bad_fraction", "mixup_switch_prob", "mixup_prob", "reprob"):
         unit(key)
+    unit("drop_path", upper_open=True)  # 1 would drop every residual branch
     unit("label_smoothing", upper_open=True)
     at_least("train_size_start", 1, optional=True)
     at_least("train_size_step", 1)

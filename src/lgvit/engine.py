@@ -33,10 +33,11 @@ from lgvit.checkpoint import (
     load_initial_weights,
     restore_rng_state,
     save_checkpoint,
+    save_error,
     state_dict_to_cpu,
 )
 from lgvit.config import TrainConfig, config_from_dict, config_to_dict, save_config, scaled_lr
-from lgvit.errors import LgvitError, last_line
+from lgvit.errors import LgvitError
 from lgvit.optim import ModelEma, build_optimizer, lr_at, run_epochs, total_steps
 from lgvit.preempt import RunControl
 from lgvit.progress import RunClock, StepProgress, format_duration, on_terminal
@@ -373,7 +374,7 @@ class Run:
     def save(self, epoch: int, step: int, is_best: bool, mid: EpochProgress | None = None) -> None:
         """Atomic checkpoints by rank 0 (``last``, and ``best``); every rank's RNG state (and,
         mid-epoch, augmentation stream) is gathered so resume is exact. A failed write is one
-        line, and the previous checkpoint stays."""
+        line (:func:`~lgvit.checkpoint.save_error`), and the previous checkpoint stays."""
         extra: dict[str, Any] = {"history": self.history}
         if mid is not None:
             extra["mid_epoch"] = {"batch": mid.batch, "loss_sum": mid.loss_sum,
@@ -383,11 +384,7 @@ class Run:
         except LgvitError:
             raise
         except Exception as e:  # noqa: BLE001 -- disk full, permissions, a vanished directory
-            cause = last_line(e)
-            raise LgvitError(
-                f"saving the checkpoint to {self.out} failed: {cause}; the previous checkpoint "
-                "there is kept and still loads"
-            ) from None
+            raise save_error(self.out, e) from None
 
     def _write(self, epoch: int, step: int, is_best: bool, extra: dict[str, Any]) -> None:
         d = self.d
@@ -464,10 +461,14 @@ def _resumed_config(
         )
     if stem is None:
         return cfg, None, None, None
+    if "initial_checkpoint" in explicit and cfg.initial_checkpoint:
+        raise LgvitError("--initial-checkpoint starts a new run; a resumed run continues from "
+                         f"its own weights in {stem} (drop one of the two)")  # fmt: skip
     weights, state = load_checkpoint_pair(stem, repair=d.main)
     saved = config_from_dict(state["config"], source=f"{stem}")
     _check_resume(saved, cfg, explicit, stem, task.identity_keys)
-    check_mid_epoch_batch(state, cfg.batch_size if "batch_size" in explicit else None, stem)
+    asked = cfg.batch_size if "batch_size" in explicit else None
+    check_mid_epoch_batch(state, asked, stem, d.world_size)
     now = config_to_dict(cfg)
     keep = {k: now[k] for k in {"out", "resume", *explicit} - {"initial_checkpoint"}}
     return (
@@ -667,8 +668,7 @@ def _epoch(run: Run, epoch: int, pos: _Position, t_start: float) -> bool:
     )
     run.last_metrics = metrics
     _fault_injection(epoch)
-    if ctl.signum:
-        raise ctl.preempted(f"after epoch {epoch + 1}", out)
+    ctl.after_epoch(epoch, last, out, run.log)  # a signal stops the run, unless it is done
     if timed_out:
         run.log(f"time limit of {cfg.time_limit_min} min reached after epoch {epoch + 1}")
     return timed_out
@@ -680,6 +680,8 @@ def _run(
 ) -> dict[str, Any]:  # fmt: skip
     run, pos = _start(cfg, task, explicit, d, out, lock, ctl)
     t_start = time.time()
+    if pos.epoch >= run.epochs:  # resuming a finished run: say so
+        run.log(f"{out}: the run is finished (epoch {pos.epoch} of {run.epochs}); nothing to do")
     for epoch in range(pos.epoch, run.epochs):
         if _epoch(run, epoch, pos, t_start):
             break

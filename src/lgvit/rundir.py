@@ -25,7 +25,7 @@ LOCK_NAME = ".lock"
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):  # no such process; no such pid
         return False
     except PermissionError:  # exists, owned by someone else
         return True
@@ -55,6 +55,10 @@ class RunLock:
         raise LgvitError(f"{self.path}: could not take the run directory's lock")
 
     def _handle_existing(self, host: str) -> None:
+        if self.path.is_dir() or self.path.is_symlink():
+            kind = "link" if self.path.is_symlink() else "folder"
+            raise LgvitError(f"{self.path} is not a lock file (a {kind}); remove it or use "
+                             "another --out")  # fmt: skip
         try:
             owner = json.loads(self.path.read_text())
             pid, where = int(owner["pid"]), str(owner["host"])
@@ -116,10 +120,20 @@ def check_resumable(out: Path, checkpoint: Path) -> None:
         )
 
 
-def check_mid_epoch_batch(state: dict, batch_size: int | None, stem: Path) -> None:
-    """A checkpoint saved inside an epoch counts its position in batches: resuming it with
-    another batch size would skip (or repeat) the rest of that epoch's images."""
+def check_mid_epoch_batch(
+    state: dict, batch_size: int | None, stem: Path, world_size: int | None = None
+) -> None:
+    """A checkpoint saved inside an epoch counts its position in batches of its processes:
+    resuming it with another batch size or process count would skip (or repeat) the rest of
+    that epoch's images."""
     mid = (state.get("extra") or {}).get("mid_epoch")
+    ranks = len((state.get("extra") or {}).get("rng_per_rank") or []) or None
+    if mid is not None and None not in (ranks, world_size) and ranks != world_size:
+        raise LgvitError(
+            f"--resume {stem}: saved inside epoch {state.get('epoch', 0) + 1} by {ranks} "
+            f"process(es); resume it with {ranks} (torchrun --nproc_per_node {ranks}); the "
+            "process count may change from a checkpoint saved after an epoch"
+        )
     saved = (state.get("config") or {}).get("batch_size")
     if mid is not None and None not in (saved, batch_size) and saved != batch_size:
         raise LgvitError(

@@ -51,8 +51,9 @@ def build_segmenter(cfg: TrainConfig, num_classes: int, d: Dist) -> tuple[nn.Mod
     sync_bn = d.world_size > 1 and d.device.type == "cuda"  # SyncBatchNorm needs CUDA
     try:
         model = create_segmenter(
-            cfg.model, num_classes, drop_path_rate=cfg.drop_path, img_size=crop, sync_bn=sync_bn
-        )
+            cfg.model, num_classes, drop_path_rate=cfg.drop_path, img_size=crop,
+            sync_bn=sync_bn, grad_checkpointing=cfg.grad_checkpointing,
+        )  # fmt: skip
         with torch.no_grad():
             model.eval()(torch.zeros(1, 3, crop, crop))
     except (ValueError, RuntimeError) as e:

@@ -108,13 +108,15 @@ def build_model(cfg: TrainConfig, num_classes: int) -> tuple[nn.Module, int]:
         if hasattr(model, "dynamic_img_size"):  # resize position embeddings to the input
             model.dynamic_img_size = True
     for what, size in sizes.items():
-        probe = torch.zeros(1, getattr(model, "in_chans", 3), size, size)
         try:
+            probe = torch.zeros(1, getattr(model, "in_chans", 3), size, size)
             with torch.no_grad():
                 model.eval()(probe)
         except (ValueError, RuntimeError) as e:
             raise LgvitError(f"model {cfg.model} cannot run at {what}: {first_line(e)}") from None
     model.train()
+    if cfg.grad_checkpointing:
+        model.set_grad_checkpointing(True)
     return model, img_size
 
 

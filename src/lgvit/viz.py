@@ -503,8 +503,9 @@ def visualize(
         raise LgvitError(f"--what {what!r}: choose one of {', '.join(KINDS)}")
     need_matplotlib()
     from lgvit.export import load_source
-    from lgvit.inference import preprocess_images
+    from lgvit.inference import preprocess_images, resolve_device
 
+    device = resolve_device(device)  # CUDA asked for and absent, or a bogus name: one line
     model, _ = load_source(checkpoint, model_name=model_name)
     model = model.to(device).eval()
     x = preprocess_images(model, images).to(device)
