@@ -274,8 +274,12 @@ def test_train_resume_eval_predict(seg_root, tmp_path, capsys):
     assert len(hist) == 5 and hist[-1]["lr"] == pytest.approx(1e-3 * (1 / 14) ** 0.9)
     miou = hist[-1]["test_mIoU"]
     assert miou > 50  # all-background would score ~28% (its IoU ~0.85, the shapes' 0)
-    assert main([*base, "--iters", "14", "--out", str(tmp_path / "cut"),
-                 "--set", "time_limit_min=1e-9"]) == 0  # fmt: skip  (stops after epoch 1)
+    assert (
+        main(
+            [*base, "--iters", "14", "--out", str(tmp_path / "cut"), "--set", "time_limit_min=1e-9"]
+        )
+        == 0
+    )  # fmt: skip  (stops after epoch 1)
     assert len((tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()) == 1
     assert main([*base, "--out", str(tmp_path / "cut"), "--resume", "auto",
                  "--set", "time_limit_min=null"]) == 0  # fmt: skip
@@ -309,3 +313,29 @@ def test_bad_mask_stops_training_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert "training_0003.png: mask is 5x5 but its image is" in err[0]
+
+
+def test_backbones_start_from_classification_weights(tmp_path):
+    """A classification checkpoint (here a plain .pth, as the authors' releases) becomes the
+    backbone; the Swin skeleton built for 512 px gets the 224 px model's bias tables resized."""
+    import lgvit
+    from lgvit.config import TrainConfig
+    from lgvit.segment import SegmentationTask
+
+    cls = lgvit.create_model("lsa_micro_cifar")
+    torch.save(cls.state_dict(), tmp_path / "cls.pth")
+    task = SegmentationTask(cfg=TrainConfig(task="segmentation", model="lsa_micro_cifar",
+                                            data="segfolder"))  # fmt: skip
+    seg = create_segmenter("lsa_micro_cifar", 3, img_size=32)
+    line = task.load_initial(seg, str(tmp_path / "cls.pth"))
+    assert "classification weights" in line
+    inner = seg.backbone.model.state_dict()
+    assert all(torch.equal(inner[k], v) for k, v in cls.state_dict().items() if k in inner)
+    assert len([k for k in cls.state_dict() if k in inner]) == len(inner)
+
+    lit_s = lgvit.create_model("lit_s")
+    table = "stages.2.blocks.0.attn.rel_pos.relative_position_bias_table"
+    torch.save(lit_s.state_dict(), tmp_path / "lit_s.pth")
+    bb = create_backbone("lit_s", checkpoint_path=str(tmp_path / "lit_s.pth"), img_size=512)
+    assert lit_s.state_dict()[table].shape == (27 * 27, 12)  # 14x14 map at 224
+    assert bb.model.state_dict()[table].shape == (63 * 63, 12)  # 32x32 map at 512
