@@ -298,7 +298,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     if args.topk < 1:
         raise LgvitError(f"--topk {args.topk}: must be at least 1")
-    from lgvit.inference import expand_images
+    from lgvit.inference import expand_images, report_predictions
 
     images = expand_images(args.images)
     model = load_model(args.checkpoint, args.device, args.model, args.img_size)
@@ -319,18 +319,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
             {"image": path, "top": [[lbl, round(p, 4)] for lbl, p in
                                     zip(labels, top.values.tolist(), strict=True)]}
         )  # fmt: skip
-    if failed and not results:
-        more = f" (and {len(failed) - 1} more unreadable)" if len(failed) > 1 else ""
-        raise LgvitError(failed[0] + more)
-    for msg in failed:
-        print(f"lgvit predict: skipped: {msg}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        for r in results:
-            tops = ", ".join(f"{lbl} {100 * p:.1f}%" for lbl, p in r["top"])
-            print(f"{r['image']}: {tops}")
-    return 1 if failed else 0
+
+    def line(r: dict[str, Any]) -> str:
+        return f"{r['image']}: " + ", ".join(f"{lbl} {100 * p:.1f}%" for lbl, p in r["top"])
+
+    return report_predictions(results, failed, args.json, line)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

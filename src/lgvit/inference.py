@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -172,3 +172,28 @@ def expand_images(paths: Sequence[str]) -> list[str]:
         else:
             out.append(p)
     return out
+
+
+def report_predictions(
+    results: list[dict[str, Any]],
+    failed: list[str],
+    as_json: bool,
+    line: Callable[[dict[str, Any]], str],
+) -> int:
+    """``lgvit predict``'s ending: every unreadable image a line on stderr (all unreadable:
+    the first as the error), the results as JSON or ``line(result)`` each; exit status 1 when
+    an image was skipped."""
+    import json
+    import sys
+
+    if failed and not results:
+        more = f" (and {len(failed) - 1} more unreadable)" if len(failed) > 1 else ""
+        raise LgvitError(failed[0] + more)
+    for msg in failed:
+        print(f"lgvit predict: skipped: {msg}", file=sys.stderr)
+    if as_json:
+        print(json.dumps(results, indent=2))
+    else:
+        for r in results:
+            print(line(r))
+    return 1 if failed else 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +64,7 @@ def predict_segmentation(args: argparse.Namespace) -> int:
     from lgvit.data.decode import read_image_rgb
     from lgvit.data.segmentation import eval_sample
     from lgvit.dense.evaluate import load_segmenter, palette, predict_logits
-    from lgvit.inference import expand_images
+    from lgvit.inference import expand_images, report_predictions
 
     if not args.out:
         raise LgvitError("segmentation predict writes PNGs: pass --out DIR")
@@ -96,17 +95,12 @@ def predict_segmentation(args: argparse.Namespace) -> int:
         share = {info["classes"][c]: round(float(counts[c] / pred.size), 4)
                  for c in np.argsort(-counts) if counts[c]}  # fmt: skip
         results.append({"image": path, "mask": str(out / f"{stem}_mask.png"), "classes": share})
-    if failed and not results:
-        raise LgvitError(failed[0])
-    for msg in failed:
-        print(f"lgvit predict: skipped: {msg}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        for r in results:
-            top = ", ".join(f"{k} {100 * v:.1f}%" for k, v in list(r["classes"].items())[:5])
-            print(f"{r['image']}: {r['mask']} ({top})")
-    return 1 if failed else 0
+
+    def line(r: dict) -> str:
+        top = ", ".join(f"{k} {100 * v:.1f}%" for k, v in list(r["classes"].items())[:5])
+        return f"{r['image']}: {r['mask']} ({top})"
+
+    return report_predictions(results, failed, args.json, line)
 
 
 def _save_png(img: Image.Image, path: Path) -> None:
