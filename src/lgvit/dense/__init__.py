@@ -1,4 +1,5 @@
-"""Dense prediction: pyramid models as backbones, Semantic FPN segmentation."""
+"""Dense prediction: pyramid models as backbones, Semantic FPN segmentation, RetinaNet and
+Mask R-CNN (torchvision's) on them."""
 
 from lgvit.dense.backbone import DenseBackbone, create_backbone, dense_backbone_names, is_pyramid
 

@@ -92,6 +92,7 @@ class DenseBackbone(nn.Module):
         out_norms: str | None = None,
         frozen_stages: int = -1,
         norm_eval: bool = False,
+        unnormed: Sequence[int] = (),
     ) -> None:
         super().__init__()
         if not is_pyramid(model):
@@ -119,7 +120,10 @@ class DenseBackbone(nn.Module):
         )
         self.model = model
         self.norms = (
-            nn.ModuleList(nn.LayerNorm(f["num_chs"]) for f in self.feature_info)
+            nn.ModuleList(
+                nn.Identity() if i in unnormed else nn.LayerNorm(f["num_chs"])
+                for i, f in zip(self.out_indices, self.feature_info, strict=True)
+            )
             if out_norms == "per_level"
             else None
         )
@@ -191,6 +195,7 @@ def create_backbone(
     drop_path_rate: float | None = None,
     grad_checkpointing: bool = False,
     img_size: int = 512,
+    unnormed: Sequence[int] = (),
     **overrides: Any,
 ) -> DenseBackbone:
     """A registered pyramid model as a :class:`DenseBackbone`.
@@ -207,6 +212,8 @@ def create_backbone(
         grad_checkpointing: recompute each block's activations in the backward pass.
         img_size: the dense input size Swin-skeleton models are built for (see the module's
             docstring); other models keep their classification size.
+        unnormed: stages whose output gets no per-level norm (LIT-S's detection backbone
+            leaves stage 1's map unnormalised).
     """
     if drop_path_rate is not None:
         overrides["drop_path_rate"] = drop_path_rate
@@ -223,4 +230,4 @@ def create_backbone(
             m.use_cls_token = False
     if grad_checkpointing:
         model.set_grad_checkpointing(True)
-    return DenseBackbone(model, out_indices, out_norms, frozen_stages, norm_eval)
+    return DenseBackbone(model, out_indices, out_norms, frozen_stages, norm_eval, unnormed)

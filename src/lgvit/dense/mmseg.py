@@ -49,32 +49,41 @@ def unwrap_mmseg(obj: Any) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in obj.items()}
 
 
+def backbone_to_lgvit(
+    state_dict: dict[str, torch.Tensor], backbone: torch.nn.Module, source: str = "checkpoint"
+) -> dict[str, torch.Tensor]:
+    """The authors' dense backbone keys (``backbone.`` stripped) -> a :class:`DenseBackbone`'s:
+    ``norm{i}`` -> ``norms.{position of i in out_indices}``, the rest through the model's own
+    mapping of the authors' classification layout. A level the authors normalise but we do not
+    output (LIT-S's stride-4 map in RetinaNet) is left out."""
+    out: dict[str, torch.Tensor] = {}
+    inner: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        m = _OUT_NORM.match(key)
+        if m and backbone.norms is not None:
+            if int(m[1]) not in backbone.out_indices:
+                raise LgvitError(f"{source}: backbone.{key} is the norm of a level not output")
+            out[f"norms.{backbone.out_indices.index(int(m[1]))}.{m[2]}"] = value
+        else:
+            inner[key] = value
+    mapped = backbone.model.checkpoint_filter_fn(inner)
+    for key, value in backbone.model.state_dict().items():
+        if key not in mapped and key.endswith("cls_token"):  # LIT-Ti's dense code has none
+            mapped[key] = value
+    out.update({f"model.{k}": v for k, v in mapped.items()})
+    return out
+
+
 def mmseg_to_lgvit(
     state_dict: dict[str, torch.Tensor], model: torch.nn.Module, source: str = "checkpoint"
 ) -> dict[str, torch.Tensor]:
     """Map an mmseg Semantic FPN state dict onto ``model`` (a :class:`SemanticFPN`)."""
-    backbone = model.backbone
-    out: dict[str, torch.Tensor] = {}
-    inner: dict[str, torch.Tensor] = {}
+    sub = {k.removeprefix("backbone."): v for k, v in state_dict.items()
+           if k.startswith("backbone.")}  # fmt: skip
+    out = {f"backbone.{k}": v for k, v in backbone_to_lgvit(sub, model.backbone, source).items()}
     for key, value in state_dict.items():
-        if key.startswith("backbone."):
-            sub = key.removeprefix("backbone.")
-            m = _OUT_NORM.match(sub)
-            if m and backbone.norms is not None:
-                if int(m[1]) not in backbone.out_indices:
-                    raise LgvitError(f"{source}: {key} is the norm of a level not in out_indices")
-                level = backbone.out_indices.index(int(m[1]))
-                out[f"backbone.norms.{level}.{m[2]}"] = value
-            else:
-                inner[sub] = value
-            continue
-        for pattern, repl in _RENAMES:
-            key = pattern.sub(repl, key)
-        out[key] = value
-    mapped = backbone.model.checkpoint_filter_fn(inner)
-    own = backbone.model.state_dict()
-    for key, value in own.items():  # parameters their dense backbone lacks (LIT-Ti's class token)
-        if key not in mapped and key.endswith("cls_token"):
-            mapped[key] = value
-    out.update({f"backbone.model.{k}": v for k, v in mapped.items()})
+        if not key.startswith("backbone."):
+            for pattern, repl in _RENAMES:
+                key = pattern.sub(repl, key)
+            out[key] = value
     return out
