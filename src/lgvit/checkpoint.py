@@ -23,11 +23,13 @@ One writer per stem at a time (in DDP, rank 0): a successful save deletes leftov
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import pickle
 import random
 import re
+import shutil
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -51,7 +53,7 @@ from lgvit.atomic import (
     write_temp,
     writing_to,
 )
-from lgvit.errors import LgvitError, error_lines, first_line
+from lgvit.errors import LgvitError, error_lines, first_line, last_line
 from lgvit.safe_pickle import Inert, refused_pickle_error, torch_load_data_only
 
 __all__ = [
@@ -74,6 +76,7 @@ __all__ = [
     "load_weights",
     "restore_rng_state",
     "save_checkpoint",
+    "save_error",
     "state_dict_to_cpu",
 ]
 
@@ -301,6 +304,37 @@ def save_checkpoint(
                 stale.unlink()
 
 
+def save_error(out: Path, e: BaseException) -> LgvitError:
+    """The one line of a failed checkpoint save into ``out``: the OS error behind it (torch's
+    zip writer reports a failed write as ``[enforce fail at inline_container.cc]``, the
+    ``ENOSPC`` only in its context) and what is left (there may be no previous checkpoint)."""
+    cause, seen = None, set()
+    err: BaseException | None = e
+    while err is not None and id(err) not in seen and cause is None:
+        seen.add(id(err))
+        cause = err if isinstance(err, OSError) and err.strerror else None
+        err = err.__cause__ or err.__context__
+    if cause is not None:
+        reason = cause.strerror.lower() if cause.errno == errno.ENOSPC else cause.strerror
+    elif "(os error 28)" in str(e) or ("inline_container" in str(e) and _free(out) < 1 << 20):
+        reason = "no space left on device"
+    else:
+        reason = last_line(e)
+    kept = (
+        "the previous checkpoint there is kept and still loads"
+        if checkpoint_paths(out / "last")[0].exists()
+        else "no checkpoint had been saved there yet"
+    )
+    return LgvitError(f"saving the checkpoint to {out} failed: {reason}; {kept}")
+
+
+def _free(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 1 << 62
+
+
 def _glob_escape(name: str) -> str:
     """Escape glob metacharacters in a literal file name."""
     return re.sub(r"([*?\[])", r"[\1]", name)
@@ -495,23 +529,35 @@ def load_weights(path: str | Path) -> dict[str, Tensor]:
         except LgvitError as refused:
             if "refusing to load" not in str(refused):
                 raise
+            calls: list[str] = []
             try:
-                obj = torch_load_data_only(resolved)
+                obj = torch_load_data_only(resolved, calls)
                 tensors = _as_state_dict(obj, resolved)
             except Exception:
                 raise refused from None
-            skipped = sorted(
-                {k for k, v in obj.items() if isinstance(v, Inert)} if isinstance(obj, Mapping)
-                else set()
-            )  # fmt: skip
-            warnings.warn(
-                f"{resolved}: read its weights only; left out objects that are not plain data"
-                + (f" ({', '.join(map(str, skipped))})" if skipped else ""),
-                stacklevel=2,
-            )
+            warnings.warn(_left_out(resolved, obj, calls), stacklevel=2)
             return clean_state_dict(tensors)
         tensors = _as_state_dict(obj, resolved)
     return clean_state_dict(tensors)
+
+
+def _left_out(path: Path, obj: Any, calls: list[str]) -> str:
+    """The warning of a ``.pth`` whose weights were read beside objects that are not plain
+    data: code the pickle would have run on loading (a REDUCE of a function it names) is
+    said to be code, not merely an object left out."""
+    if calls:
+        names = ", ".join(list(dict.fromkeys(calls))[:3])
+        return (
+            f"{path}: read its weights only; the file also holds code that would run when "
+            f"loaded ({names}), which lgvit did not run"
+        )
+    skipped = sorted(
+        {str(k) for k, v in obj.items() if isinstance(v, Inert)} if isinstance(obj, Mapping)
+        else set()
+    )  # fmt: skip
+    return f"{path}: read its weights only; left out objects that are not plain data" + (
+        f" ({', '.join(skipped)})" if skipped else ""
+    )
 
 
 def _read_state_file(path: Path) -> dict[str, Any]:

@@ -35,9 +35,12 @@ def load_source(
     """``(eval-mode CPU model, has_trained_weights)`` from a registered name (random weights),
     ``local-dir:``/``hf-hub:``, or a checkpoint (``runs/x/best``, ``.safetensors``, or a
     ``.pth`` state dict such as the authors' releases, with ``model_name``)."""
+    from lgvit.checkpoint import is_size
     from lgvit.inference import load_model
     from lgvit.models import create_model, is_model
 
+    if img_size is not None and not is_size(img_size):
+        raise LgvitError(f"--img-size {img_size}: must be a whole number >= 1")
     kwargs = {"img_size": img_size} if img_size else {}
     try:
         if is_model(source):
@@ -131,6 +134,33 @@ def _useful_line(e: BaseException) -> str:
     return (useful or lines or [type(e).__name__])[0][:240]
 
 
+def opset_range() -> tuple[int, int]:
+    """The ONNX opsets ``--opset`` may ask for: torch's exporter's range, capped at what the
+    installed ``onnx`` knows. (The exporter builds at its own opset and converts; a conversion
+    it cannot do is caught after the export.)"""
+    try:
+        from torch.onnx import _constants
+
+        low, high = _constants.ONNX_MIN_OPSET, _constants.ONNX_MAX_OPSET
+    except (ImportError, AttributeError):
+        low, high = 7, 23
+    with contextlib.suppress(ImportError):
+        import onnx
+
+        high = min(high, onnx.defs.onnx_opset_version())
+    return low, high
+
+
+def _check_opset(opset: int | None, fmt: str) -> None:
+    if opset is None:
+        return
+    if fmt != "onnx":
+        raise LgvitError(f"--opset {opset}: an ONNX opset, for --format onnx only (not {fmt})")
+    low, high = opset_range()
+    if isinstance(opset, bool) or not isinstance(opset, int) or not low <= opset <= high:
+        raise LgvitError(f"--opset {opset}: torch's ONNX exporter writes opsets {low} to {high}")
+
+
 def write(
     model: nn.Module,
     fmt: str,
@@ -139,7 +169,9 @@ def write(
     dynamic_size: bool = False,
     opset: int | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Export ``model`` to ``out``; returns a function running the exported file."""
+    """Export ``model`` to ``out``; returns a function running the exported file. A failed
+    export, or a file that does not load or run as asked, leaves no ``out`` behind."""
+    _check_opset(opset, fmt)
     name = getattr(model, "model_name", type(model).__name__)
     size = tuple(model.pretrained_cfg["input_size"])
     example = torch.randn(2 if dynamic_batch else 1, *size)
@@ -158,28 +190,14 @@ def write(
         loaded = create_model(f"local-dir:{out}").eval()
         return lambda x: loaded(x)
     try:
-        with _quiet(), warnings.catch_warnings():
-            # Mask / index caches filled while tracing are plain attributes by design.
-            warnings.filterwarnings("ignore", message=".*were assigned during export")
-            if fmt == "pt2":
-                program = torch.export.export(model, (example,), dynamic_shapes=shapes)
-                torch.export.save(
-                    program, str(out), extra_files={"lgvit.json": json.dumps(metadata(model))}
-                )
-            else:
-                _need("onnx", "onnxscript")
-                kwargs = {"opset_version": opset} if opset else {}
-                torch.onnx.export(
-                    model, (example,), str(out), dynamo=True, dynamic_shapes=shapes,
-                    input_names=["image"], output_names=["logits"], external_data=False,
-                    **kwargs,
-                )  # fmt: skip
-    except LgvitError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- an exporter failure is one line naming the model
+        _export_file(model, fmt, out, example, shapes, opset)
+        run = _runner(model, fmt, out, opset)
+    except BaseException as e:
+        out.unlink(missing_ok=True)  # a partial or invalid file is no export
+        if isinstance(e, LgvitError) or not isinstance(e, Exception):
+            raise
         what = "with a dynamic height/width" if dynamic_size else f"to {fmt}"
         raise LgvitError(f"{name} cannot be exported {what}: {_useful_line(e)}") from None
-    run = _runner(model, fmt, out)
     if dynamic_size:  # the exporters may keep the size symbolic yet fix the token grid
         probe = torch.randn(1, size[0], 2 * size[1], 2 * size[2])
         try:
@@ -194,7 +212,33 @@ def write(
     return run
 
 
-def _runner(model: nn.Module, fmt: str, out: Path) -> Callable[[torch.Tensor], torch.Tensor]:
+def _export_file(
+    model: nn.Module, fmt: str, out: Path, example: torch.Tensor, shapes: Any, opset: int | None
+) -> None:
+    with _quiet(), warnings.catch_warnings():
+        # Mask / index caches filled while tracing are plain attributes by design.
+        warnings.filterwarnings("ignore", message=".*were assigned during export")
+        if fmt == "pt2":
+            program = torch.export.export(model, (example,), dynamic_shapes=shapes)
+            torch.export.save(
+                program, str(out), extra_files={"lgvit.json": json.dumps(metadata(model))}
+            )
+        else:
+            _need("onnx", "onnxscript")
+            kwargs = {"opset_version": opset} if opset else {}
+            torch.onnx.export(
+                model, (example,), str(out), dynamo=True, dynamic_shapes=shapes,
+                input_names=["image"], output_names=["logits"], external_data=False, **kwargs,
+            )  # fmt: skip
+
+
+def _onnx_opset(proto: Any) -> int | None:
+    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+
+
+def _runner(
+    model: nn.Module, fmt: str, out: Path, opset: int | None = None
+) -> Callable[[torch.Tensor], torch.Tensor]:
     if fmt == "pt2":
         program = torch.export.load(str(out))
         module = program.module()
@@ -202,6 +246,12 @@ def _runner(model: nn.Module, fmt: str, out: Path) -> Callable[[torch.Tensor], t
     import onnx
 
     proto = onnx.load(str(out))
+    if opset is not None and _onnx_opset(proto) != opset:  # the exporter falls back silently
+        raise LgvitError(
+            f"--opset {opset}: torch's exporter could not convert "
+            f"{getattr(model, 'model_name', 'the model')} to opset {opset} (it wrote opset "
+            f"{_onnx_opset(proto)}); ask for another"
+        )
     for key, value in metadata(model).items():
         proto.metadata_props.add(key=key, value=value)
     onnx.save(proto, str(out))
@@ -209,7 +259,10 @@ def _runner(model: nn.Module, fmt: str, out: Path) -> Callable[[torch.Tensor], t
     import onnxruntime as ort
 
     ort.set_default_logger_severity(3)  # errors reach the user as one line, not a C++ log
-    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    try:
+        session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 -- e.g. an opset newer than onnxruntime runs
+        raise LgvitError(f"onnxruntime cannot load the exported model: {_useful_line(e)}") from None
     quiet = ort.RunOptions()
     quiet.log_severity_level = 3
     return lambda x: torch.from_numpy(session.run(None, {"image": x.numpy()}, quiet)[0])
@@ -263,14 +316,49 @@ def export(
         raise LgvitError(f"--format {fmt!r}: choose onnx, pt2 or hf")
     if fmt == "onnx":
         _need("onnx", "onnxscript", "onnxruntime")
+    _check_opset(opset, fmt)
     model, trained = load_source(source, img_size, model_name)
     name = model.model_name
     if not trained:
         warnings.warn(f"{name} has random weights (pass a checkpoint to export one)", stacklevel=2)
     path = Path(out or f"{name}{_SUFFIX[fmt]}")
-    run = write(model, fmt, path, dynamic_batch, dynamic_size, opset)
-    report: dict[str, Any] = {"model": name, "format": fmt, "file": str(path), "checks": []}
+    checks = (dynamic_batch, dynamic_size, run_check, images)
+    if fmt == "hf":  # a folder, written in place
+        run = write(model, fmt, path, dynamic_batch, dynamic_size, opset)
+        report = _checked(model, run, path, fmt, *checks)
+    else:  # a file: renamed into place once it passed every check (a failed one leaves none)
+        tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+        try:
+            run = write(model, fmt, tmp, dynamic_batch, dynamic_size, opset)
+            report = _checked(model, run, path, fmt, *checks)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
     log(f"wrote {path}")
+    for r in report["checks"]:
+        log(
+            f"  batch {r['batch']} at {r['size'][0]}x{r['size'][1]}: max abs diff "
+            f"{r['max_abs_diff']:.2e}; eager {r['eager_ms']:.1f} ms, "
+            f"{fmt} {r['exported_ms']:.1f} ms"
+        )
+    return report
+
+
+def _checked(
+    model: nn.Module,
+    run: Callable[[torch.Tensor], torch.Tensor],
+    path: Path,
+    fmt: str,
+    dynamic_batch: bool,
+    dynamic_size: bool,
+    run_check: bool,
+    images: Sequence[str],
+) -> dict[str, Any]:
+    """The report of an export: (``run_check``) its outputs against eager's, per batch; an
+    error when they differ by more than ``TOLERANCE``."""
+    report: dict[str, Any] = {
+        "model": model.model_name, "format": fmt, "file": str(path), "checks": [],
+    }  # fmt: skip
     if not run_check:
         return report
     size = tuple(model.pretrained_cfg["input_size"])
@@ -290,16 +378,11 @@ def export(
     except Exception as e:  # noqa: BLE001 -- e.g. the exported file refusing a shape
         raise LgvitError(f"{path}: the exported model failed to run: {_useful_line(e)}") from None
     report["checks"] = rows
-    for r in rows:
-        log(
-            f"  batch {r['batch']} at {r['size'][0]}x{r['size'][1]}: max abs diff "
-            f"{r['max_abs_diff']:.2e}; eager {r['eager_ms']:.1f} ms, "
-            f"{fmt} {r['exported_ms']:.1f} ms"
-        )
     worst = max(r["max_abs_diff"] for r in rows)
     if not worst <= TOLERANCE:
         raise LgvitError(
             f"{path}: exported outputs differ from eager by {worst:.2e} (> {TOLERANCE:g})"
+            + ("; nothing written" if fmt != "hf" else "")
         )
     return report
 

@@ -64,7 +64,7 @@ def load_model(
         raise LgvitError(f"{checkpoint}: no model name stored in it; pass --model NAME")
     if not is_model(name):
         raise LgvitError(f"unknown model {name!r}; `lgvit info` lists the registered ones")
-    kwargs = {"img_size": img_size} if img_size else {}
+    kwargs = {"img_size": img_size} if img_size is not None else {}  # 0 is refused, not ignored
     try:
         model = create_model(name, checkpoint_path=checkpoint, **kwargs)
     except ValueError as e:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,19 @@ class RunControl:
             if stop and not self.signum:
                 self.signum = signal.SIGTERM
         return stop or periodic, stop
+
+    def after_epoch(
+        self, epoch: int, finished: bool, out: Path | str, log: Callable[[str], None]
+    ) -> None:
+        """At the end of an epoch, saved: a signal stops the run (:class:`Preempted`), unless
+        that was the run's last epoch -- a signal after its last step (during the final
+        evaluation) leaves nothing to continue, so the run ends as finished, saying so."""
+        if not self.signum:
+            return
+        if not finished:
+            raise self.preempted(f"after epoch {epoch + 1}", out)
+        name = signal.Signals(self.signum).name
+        log(f"{name} came after the last training step; the run is finished and saved in {out}")
 
     def preempted(self, where: str, out: Path | str) -> Preempted:
         name = signal.Signals(self.signum or signal.SIGTERM).name

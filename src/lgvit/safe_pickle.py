@@ -13,7 +13,9 @@ one to the caller, which raises or returns an inert stand-in. Callers and what t
 
 from __future__ import annotations
 
+import _compat_pickle
 import contextlib
+import contextvars
 import io
 import pickle
 import pickletools
@@ -99,13 +101,41 @@ def torch_allowed_globals() -> set[str]:
     return allowed
 
 
+# The names a pickle being read by torch_load_data_only calls (REDUCE): code that would run.
+_CALLS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "lgvit_calls", default=None
+)
+# Calls that rebuild plain values (what pickle and numpy use for objects, bytes, arrays,
+# scalars; paths, dates, numbers): data, not code.
+_REBUILDERS = {
+    *(f"copyreg.{n}" for n in ("_reconstructor", "__newobj__", "__newobj_ex__")),
+    "_codecs.encode",
+    *(f"numpy.{c}.multiarray.{n}" for c in ("core", "_core") for n in ("scalar", "_reconstruct")),
+    "numpy.dtype",
+    *(f"pathlib.{n}" for n in ("Path", "PosixPath", "WindowsPath", "PurePosixPath",
+                               "PureWindowsPath")),  # fmt: skip
+    *(f"datetime.{n}" for n in ("date", "time", "datetime", "timedelta", "timezone")),
+    "collections.OrderedDict", "collections.defaultdict", "decimal.Decimal", "fractions.Fraction",
+    *(f"builtins.{n}" for n in ("set", "frozenset", "complex", "bytearray", "slice", "range")),
+}  # fmt: skip
+
+
 class Inert:
     """Stands in for a class or function a checkpoint names that is not plain data (a training
     script's config object, ``argparse.Namespace``, ...): built from the pickle's arguments
-    without running anything, so the file's tensors can still be read."""
+    without running anything, so the file's tensors can still be read.
+
+    Pickle rebuilds an object with ``cls.__new__`` (NEWOBJ), and calls a function with its
+    arguments (REDUCE, which is how a pickle runs code: ``os.system("...")``); only a call
+    reaches ``__init__``, which records the name it stands for."""
+
+    lgvit_name = ""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.args = args
+        calls = _CALLS.get()
+        if calls is not None and self.lgvit_name not in _REBUILDERS:
+            calls.append(self.lgvit_name)
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
@@ -124,8 +154,16 @@ def _torch_allows(module: str, name: str) -> bool:
     return f"{module}.{name}" in torch_allowed_globals()
 
 
+def _py3_name(module: str, name: str) -> str:
+    """``module.name`` as Python 3 calls it (pickles of protocol < 3 use Python 2's names:
+    ``commands.Popen`` is ``subprocess.Popen``), as :class:`pickle.Unpickler` maps them."""
+    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
+
+
 def _inert_class(module: str, name: str) -> type:
-    return type(name, (Inert,), {"__module__": "lgvit.checkpoint.inert"})
+    return type(name, (Inert,), {"__module__": "lgvit.checkpoint.inert",
+                                 "lgvit_name": _py3_name(module, name)})  # fmt: skip
 
 
 class _DataOnlyUnpickler(RestrictedUnpickler):
@@ -143,14 +181,21 @@ _DATA_ONLY_PICKLE = types.SimpleNamespace(
 )
 
 
-def torch_load_data_only(path: Path) -> Any:
+def torch_load_data_only(path: Path, calls: list[str] | None = None) -> Any:
     """The file's plain data and tensors, any other object replaced by an inert placeholder
-    (never imported, never called). For weights inside a training script's checkpoint."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.load(
-            path, map_location="cpu", weights_only=False, pickle_module=_DATA_ONLY_PICKLE
-        )
+    (never imported, never called). For weights inside a training script's checkpoint.
+
+    ``calls``, when given, receives the functions the pickle would have called on loading
+    (``posix.system``, ``builtins.eval``, ...): code it holds, which was not run."""
+    token = _CALLS.set([] if calls is None else calls)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(
+                path, map_location="cpu", weights_only=False, pickle_module=_DATA_ONLY_PICKLE
+            )
+    finally:
+        _CALLS.reset(token)
 
 
 # --------------------------------------------------------------------------- inspection

@@ -98,9 +98,44 @@ class StagedViT(nn.Module):
         raise NotImplementedError
 
     def check_input(self, x: torch.Tensor) -> None:
-        """One clear error for an input that is not a batch of images with our channels."""
+        """One clear error for an input that is not a batch of images with our channels, or not
+        in the floating-point type of the weights: an image as read (uint8, 0-255) must be
+        converted and normalised first, and another float type (float64 into float32 weights)
+        is refused rather than cast, as it would not run. Under autocast the input's float
+        type is autocast's to choose."""
         if x.ndim != 4 or x.shape[1] != self.in_chans:
             raise ValueError(f"expected input (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
+        got = str(x.dtype).removeprefix("torch.")
+        if not x.is_floating_point():
+            raise ValueError(
+                f"expected a floating-point image batch, got {got}; convert and normalise it "
+                "first (x.float() / 255, then the model's mean and std)"
+            )
+        want = x.dtype
+        for p in self.parameters():  # a loop, not a generator: torch.compile traces it whole
+            if p.is_floating_point():
+                want = p.dtype
+                break
+        dev = x.device.type
+        autocast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+        if x.dtype != want and not autocast:
+            want_name = str(want).removeprefix("torch.")
+            raise ValueError(
+                f"input is {got} but the model's weights are {want_name}: pass "
+                f"x.to(torch.{want_name}) (or convert the model with .to(torch.{got}))"
+            )
+
+    def stem_of_no_images(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
+        """``forward_stem`` of a batch of 0 images, for a stem that cannot run one (LSA's
+        shifted-patch gather): the stem of one blank image with none of its tokens kept, so the
+        shapes that follow are right. In eval mode: no normalisation statistic moves."""
+        training = self.training
+        self.train(False)
+        try:
+            tokens, grid = self.forward_stem(x.new_zeros((1, *x.shape[1:])))
+        finally:
+            self.train(training)
+        return tokens[:0], grid
 
     def tokens_of(self, x: Any) -> torch.Tensor:
         """The tokens in what the stages pass on (TNT passes pixel and patch tokens)."""
@@ -186,7 +221,7 @@ class StagedViT(nn.Module):
         if output_fmt not in ("NCHW", "NHWC"):
             raise ValueError(f"output_fmt {output_fmt!r} is not NCHW or NHWC")
         stages = self.stage_list()
-        take = feature_take_indices(len(stages), indices)
+        take = self.take_indices(indices)
         last = len(stages) - 1
         run = stages[: max(take) + 1] if stop_early else stages
         x, hw = self.forward_stem(x)
@@ -197,11 +232,22 @@ class StagedViT(nn.Module):
                 t = self.tokens_of(x)
                 t = self.norm(t) if norm and (self.norm_intermediates or i == last) else t
                 t = t[:, num_prefix_tokens(t, hw) :]
-                t = t.reshape(t.shape[0], hw[0], hw[1], -1)
+                t = t.reshape(t.shape[0], hw[0], hw[1], t.shape[-1])  # batch 0 too
                 maps.append(t if output_fmt == "NHWC" else t.permute(0, 3, 1, 2).contiguous())
         if intermediates_only:
             return maps
         return self.norm(self.tokens_of(x)), maps
+
+    def take_indices(self, indices: int | Sequence[int] | None) -> list[int]:
+        """The stages ``indices`` asks for (see :meth:`forward_intermediates`); at least one."""
+        n = len(self.stage_list())
+        take = feature_take_indices(n, indices)
+        if not take:
+            raise ValueError(
+                f"indices={indices!r} asks for no feature level; choose from 0 to {n - 1} "
+                "(or None: all of them)"
+            )
+        return take
 
     def prune_intermediate_layers(
         self,
@@ -211,7 +257,7 @@ class StagedViT(nn.Module):
     ) -> list[int]:
         """Drop the stages after the last one ``indices`` asks for (and the norm, the head)."""
         stages = self.stage_list()
-        take = feature_take_indices(len(stages), indices)
+        take = self.take_indices(indices)
         setattr(self, self.stages_attr, stages[: max(take) + 1])
         if prune_norm:
             self.norm = nn.Identity()

@@ -716,6 +716,8 @@ class LocallyShiftedViT(StagedViT):
     def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
         """Image -> shift embedding (+ position) -> local block: stage 1's first tokens."""
         self.check_input(x)
+        if x.shape[0] == 0:  # the shifted-patch gather cannot run a batch of no images
+            return self.stem_of_no_images(x)
         x0, variants, grid = self.patch_embed(x, self.shifted)  # (B, N, C), ShiftedVariants
         if not self.dynamic_img_size and grid != self.grids[0]:
             raise ValueError(

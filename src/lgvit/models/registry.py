@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -126,13 +127,30 @@ def _check_name(name: str) -> None:
         raise ValueError(f"unknown model {name!r} (see `lgvit info` for the list){hint}")
 
 
+class ModelArgumentError(LgvitError, ValueError):
+    """An argument of :func:`create_model` that builds no sensible model: one line naming it
+    (a ValueError too, as timm raises for a bad argument)."""
+
+
 def _check_img_size(size: Any) -> None:
     """``img_size``: a positive int or an (height, width) pair of them (a string such as "32"
-    would build a model for another input)."""
+    would build a model for another input, a float such as 32.0 fails deep inside)."""
     from lgvit.checkpoint import is_img_size
 
     if size is not None and not is_img_size(size):
-        raise ValueError(f"img_size {size!r}: must be a positive int or a (height, width) pair")
+        raise ModelArgumentError(
+            f"img_size {size!r}: must be a positive int or a (height, width) pair of them"
+        )
+
+
+def _check_num_classes(n: Any) -> None:
+    """``num_classes``: a whole number >= 0 (0: no classifier; a negative count built none
+    silently)."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        raise ModelArgumentError(
+            f"num_classes {n!r}: must be a whole number >= 0 (0: no classifier, the pooled "
+            "features come out)"
+        )
 
 
 def pretrained_cfg_for(
@@ -190,6 +208,9 @@ def create_model(
     ``name`` may also be ``local-dir:DIR`` (a folder written by ``save_pretrained``) or
     ``hf-hub:ORG/NAME`` (the same layout on the Hugging Face hub; needs ``huggingface_hub``).
     """
+    if num_classes is not None:  # the caller's own arguments: named as theirs
+        _check_num_classes(num_classes)
+    _check_img_size(overrides.get("img_size"))
     if name.startswith(("local-dir:", "hf-hub:")):
         if num_classes is not None:
             overrides["num_classes"] = num_classes
@@ -228,6 +249,7 @@ def create_model(
     if num_classes is not None:
         overrides["num_classes"] = num_classes
     overrides.setdefault("num_classes", cfg.num_classes)
+    _check_num_classes(overrides["num_classes"])
     _check_img_size(overrides.get("img_size"))
     try:
         model = _MODELS[name](**overrides)
@@ -308,6 +330,12 @@ class FeatureMaps(nn.Module):
         super().__init__()
         n = len(model.feature_info)
         indices = list(range(n)) if out_indices is None else out_indices
+        indices = indices if isinstance(indices, int) else list(indices)
+        if indices == []:
+            raise ModelArgumentError(
+                f"out_indices={out_indices!r} asks for no feature map; choose from 0 to {n - 1} "
+                "(or leave it out: all of them)"
+            )
         self.out_indices = model.prune_intermediate_layers(indices, prune_norm=True)
         info = type(model.feature_info)(model.feature_info[i] for i in self.out_indices)
         self.feature_info = info
