@@ -11,6 +11,7 @@ measured in separate processes (it cannot be undone inside one).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -25,6 +26,8 @@ def measure(model_name: str, batch: int, tuned: bool, train: bool, steps: int) -
 
     if tuned:
         tune_cpu_allocator()
+    else:  # create_model tunes it too (lgvit.models.registry) unless told not to
+        os.environ["LGVIT_DEFAULT_MALLOC"] = "1"
     torch.manual_seed(0)
     model = lgvit.create_model(model_name)
     size = model.pretrained_cfg["input_size"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import resource
 import statistics
 import sys
@@ -111,6 +112,8 @@ def main() -> None:
 
     if not args.default_malloc:
         tune_cpu_allocator()  # lgvit's default runtime (lgvit.runtime), as `lgvit train` does
+    else:  # create_model would tune it otherwise
+        os.environ["LGVIT_DEFAULT_MALLOC"] = "1"
     ours = lgvit.create_model(args.model)
     macs = count_macs(ours, (3, 32, 32))
     authors = None

@@ -65,6 +65,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not args.no_tune:
         tune_cpu_allocator()
+    else:  # create_model would tune it otherwise
+        os.environ["LGVIT_DEFAULT_MALLOC"] = "1"
     precs = ["fp32"] + (["bf16"] if args.bf16 or cpu_bf16_support() else [])
     machine = describe_machine()
     print(machine, "| allocator", "untuned" if args.no_tune else "tuned", flush=True)

@@ -88,6 +88,8 @@ def _worker(
     # process's speed depended on what it had allocated before (page faults on fresh memory),
     # e.g. the authors' DeiT-T at batch 64 ran at 129 or 197 img/s depending on the
     # configurations prepared before it.
+    if not tuned_malloc:  # lgvit's create_model would tune it otherwise
+        os.environ["LGVIT_DEFAULT_MALLOC"] = "1"
     if tuned_malloc:
         from lgvit.runtime import tune_cpu_allocator
 

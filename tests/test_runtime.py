@@ -97,3 +97,18 @@ def test_bench_names_native_bf16(monkeypatch):
     result = run_bench(["lsa_micro_cifar"], opts, log=lambda m: None)
     assert result["rows"][0]["cpu_bf16"] == "native bf16: amx_bf16"
     assert "native bf16: amx_bf16" in format_result(result, "table")
+
+
+def test_create_model_tunes_the_allocator_unless_told_not_to():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import lgvit, lgvit.runtime as r; assert not r._done; "
+            "lgvit.create_model('lsa_micro_cifar'); print(r._done)")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "LGVIT_DEFAULT_MALLOC"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == str(sys.platform.startswith("linux")), out.stderr[-500:]
+    env["LGVIT_DEFAULT_MALLOC"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "False", out.stderr[-500:]
