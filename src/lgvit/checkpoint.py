@@ -656,6 +656,15 @@ def check_finite_weights(model: nn.Module, path: str | Path) -> None:
             )
 
 
+def load_into(model: nn.Module, weights: dict[str, Tensor], path: str, what: str) -> None:
+    """``model.load_state_dict(weights)`` (strict); a misfit is one line naming ``path``."""
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        detail = (error_lines(e)[1:] or [first_line(e)])[0]
+        raise LgvitError(f"--initial-checkpoint {path} does not fit {what}: {detail}") from None
+
+
 def load_initial_weights(model: nn.Module, path: str) -> str:
     """Fine-tuning start: weights only from ``path`` (an lgvit checkpoint, ``.safetensors`` or
     ``.pth``); a classifier of another class count is dropped (the new head stays freshly

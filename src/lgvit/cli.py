@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lgvit.config import DATASETS, SEG_DATASETS, TASKS, TTA_MODES
+from lgvit.config import COCO_DATASETS, DATASETS, DETECTORS, SEG_DATASETS, TASKS, TTA_MODES
 from lgvit.errors import LgvitError
 
-ALL_DATASETS = DATASETS + SEG_DATASETS
+ALL_DATASETS = DATASETS + SEG_DATASETS + COCO_DATASETS
 
 
 def _fmt(v: object, spec: str = ".2f") -> str:
@@ -110,6 +110,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cli = {
         "task": args.task, "model": args.model, "data": args.data, "data_dir": args.data_dir,
+        "detector": args.detector,
         "img_size": args.img_size, "epochs": args.epochs, "iters": args.iters,
         "batch_size": args.batch_size,
         "out": args.out, "resume": args.resume, "amp": args.amp,
@@ -172,10 +173,15 @@ TIMM_FLAGS: dict[str, tuple[str, Any, str]] = {
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    if _is_segmentation(args):
+    task = _dense_task(args)
+    if task == "segmentation":
         from lgvit.segment_cli import eval_segmentation
 
         return eval_segmentation(args)
+    if task == "detection":
+        from lgvit.detect_cli import eval_detection
+
+        return eval_detection(args)
     from lgvit.data.datasets import FileImageSet, load_test_split
     from lgvit.data.loader import AugmentConfig
     from lgvit.data.stream import make_loader
@@ -274,22 +280,34 @@ def _label(classes: Sequence[str] | None, i: int) -> str:
     return classes[i] if i < len(classes) else f"class_{i}"
 
 
-def _is_segmentation(args: argparse.Namespace) -> bool:
-    """A segmentation checkpoint (its metadata says so) or segmentation data."""
+def _dense_task(args: argparse.Namespace) -> str | None:
+    """``segmentation`` or ``detection``: what the checkpoint's metadata says, else what the
+    data (or ``--detector``) implies; None for classification."""
     from lgvit.checkpoint import load_metadata
 
-    if getattr(args, "data", None) in SEG_DATASETS:
-        return True
     try:
-        return load_metadata(args.checkpoint).get("task") == "segmentation"
+        task = load_metadata(args.checkpoint).get("task")
     except LgvitError:
-        return False
+        task = None
+    if task in ("segmentation", "detection"):
+        return task
+    data = getattr(args, "data", None)
+    if data in SEG_DATASETS:
+        return "segmentation"
+    if data in COCO_DATASETS or getattr(args, "detector", None):
+        return "detection"
+    return None
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
     import torch
 
-    if _is_segmentation(args) or args.out:
+    task = _dense_task(args)
+    if task == "detection":
+        from lgvit.detect_cli import predict_detection
+
+        return predict_detection(args)
+    if task == "segmentation" or args.out:
         from lgvit.segment_cli import predict_segmentation
 
         return predict_segmentation(args)
@@ -449,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"< --set):\n  {'key':20s} {'default':24s} meaning\n{keys}",
     )
     p.add_argument("--task", choices=TASKS, help="default: classification (or the config's)")
+    p.add_argument("--detector", choices=DETECTORS, help="detection: default retinanet")
     p.add_argument("--model", help="registered model name (default: lsa_micro_cifar)")
     p.add_argument("--data", choices=ALL_DATASETS)
     p.add_argument("--data-dir", help="dataset archive or folder (no download needed)")
@@ -493,7 +512,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--real-labels", metavar="FILE",
                    help="ImageNet-ReaL's real.json: also report ReaL top-1/top-5")  # fmt: skip
     p.add_argument("--predictions", metavar="FILE",
-                   help="write a CSV: image, label, top-5 classes and probabilities")  # fmt: skip
+                   help="write a CSV: image, label, top-5 classes and probabilities "
+                   "(detection: the detections in COCO's results format, JSON)")  # fmt: skip
+    p.add_argument("--detector", choices=DETECTORS,
+                   help="the detector of an mmdet .pth (the authors'; with --model)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("-j", "--workers", type=int, default=2,
                    help="decoding processes for an image folder (default 2)")  # fmt: skip
@@ -526,7 +548,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=5)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: CUDA if any)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--out", help="segmentation: folder for each image's mask and overlay PNGs")
+    p.add_argument("--out", help="segmentation: folder for each image's mask and overlay PNGs; "
+                   "detection: for each image's boxes drawn (PNG)")  # fmt: skip
+    p.add_argument("--detector", choices=DETECTORS,
+                   help="the detector of an mmdet .pth (the authors'; with --model)")  # fmt: skip
+    p.add_argument("--score-thr", type=float, default=0.3,
+                   help="detection: draw boxes scoring at least this (default 0.3)")  # fmt: skip
     p.add_argument("images", nargs="+")
     p.set_defaults(func=cmd_predict)
 

@@ -26,13 +26,16 @@ import yaml
 
 from lgvit.atomic import atomic_write_bytes
 from lgvit.constants import CROP_PCT
+from lgvit.data.coco import COCO_DATASETS
 from lgvit.data.datasets import DATASETS
 from lgvit.data.segmentation import SEG_DATASETS
 from lgvit.errors import LgvitError, first_line
 
 __all__ = [
     "AMP_MODES",
+    "COCO_DATASETS",
     "DATASETS",
+    "DETECTORS",
     "SEG_DATASETS",
     "TASKS",
     "TrainConfig",
@@ -51,7 +54,8 @@ TRAIN_CROPS = ("random_crop", "random_resized_crop", "none")
 RE_MODES = ("pixel", "rand", "const")  # random erasing fill, as in timm
 OPTIMIZERS = ("adamw", "sgd", "lamb")
 SCHEDULES = ("cosine", "linear", "step", "poly", "none")
-TASKS = ("classification", "segmentation")
+TASKS = ("classification", "segmentation", "detection")
+DETECTORS = ("retinanet", "maskrcnn")
 MAX_IMG_SIZE = 4096  # beyond any model here; larger sizes only exhaust memory in the size probe
 TTA_MODES = ("none", "flip", "flip-translate")
 
@@ -60,7 +64,7 @@ TTA_MODES = ("none", "flip", "flip-translate")
 class TrainConfig:
     """Everything a training run needs; saved with every checkpoint."""
 
-    task: str = "classification"  # classification | segmentation (Semantic FPN on the model)
+    task: str = "classification"  # classification | segmentation (Semantic FPN) | detection
     # model
     model: str = "lsa_micro_cifar"  # registered model name (`lgvit info` lists them)
     num_classes: int | None = None  # None -> from the dataset
@@ -83,6 +87,7 @@ class TrainConfig:
     min_lr: float = 1e-5  # where the schedule decays to
     warmup_lr: float = 1e-6  # where the linear warm-up starts
     warmup_epochs: float = 5.0  # linear warm-up length (fractions allowed)
+    warmup_iters: int | None = None  # the warm-up in iterations instead (mmdet's warmup_iters)
     weight_decay: float = 0.05  # decoupled; none on position embeddings, norms, biases
     clip_grad: float | None = 5.0  # gradient-norm clip (None: off)
     opt_betas: tuple[float, float] = (0.9, 0.999)  # AdamW / LAMB betas
@@ -93,6 +98,8 @@ class TrainConfig:
     poly_power: float = 0.9  # poly: lr = min_lr + (base - min_lr) * (1 - t)^power
     decay_epochs: float = 30.0  # step: multiply the lr by decay_rate every decay_epochs
     decay_rate: float = 0.1  # step: the factor
+    decay_milestones: tuple[float, ...] = ()  # step: decay after these epochs instead (mmdet)
+    no_decay_keys: tuple[str, ...] = ()  # detection: no weight decay where a name holds one
     # augmentation (DeiT)
     train_crop: str = "random_crop"  # random_crop | random_resized_crop | none
     crop_padding: int = 4  # random_crop's zero padding (CIFAR recipe: 4)
@@ -113,6 +120,9 @@ class TrainConfig:
     seg_ratio_range: tuple[float, float] = (0.5, 2.0)  # training: random ratio of seg_scale
     cat_max_ratio: float = 0.75  # training crops: at most this share of one class (10 tries)
     photometric: bool = True  # training: mmseg's photometric distortion
+    # detection (torchvision's RetinaNet / Mask R-CNN as LIT's mmdet configs)
+    detector: str = "retinanet"  # retinanet | maskrcnn
+    det_scale: tuple[int, int] = (1333, 800)  # images resized to fit (long, short), ratio kept
     # progressive resizing: early epochs train on downscaled batches, then the full size
     train_size_start: int | None = None  # training input size of the first epochs (None: off)
     train_size_ramp: tuple[float, float] = (0.25, 0.75)  # run fractions: grows to img_size
@@ -183,8 +193,9 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
 def _describe(tp: Any, optional: bool) -> str:
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
     if typing.get_origin(tp) is tuple:
-        n = len(typing.get_args(tp))
-        text = f"a list of {n} numbers"
+        args = typing.get_args(tp)
+        what = "names" if args[0] is str else "numbers"
+        text = f"a list of {what}" if args[-1] is Ellipsis else f"a list of {len(args)} {what}"
     else:
         text = names.get(tp, str(tp))
     return text + (" or null" if optional else "")
@@ -240,8 +251,11 @@ def _coerce(value: Any, tp: Any, raw: str | None = None) -> Any:
     if typing.get_origin(inner) is tuple:
         items = value
         if isinstance(value, str):  # "0.9,0.95" as well as "[0.9, 0.95]"
-            items = [v.strip() for v in value.strip("()[] ").split(",")]
+            inside = value.strip("()[] ")
+            items = [v.strip() for v in inside.split(",")] if inside else []
         args = typing.get_args(inner)
+        if isinstance(items, list | tuple) and args[-1] is Ellipsis:  # any length
+            args = (args[0],) * len(items)
         if not isinstance(items, list | tuple) or len(items) != len(args):
             raise _Bad
         return tuple(_coerce_scalar(v, a, None) for v, a in zip(items, args, strict=True))
@@ -445,11 +459,21 @@ def _validate_task(cfg: TrainConfig, fail: Any) -> None:
     """The task, its data, the iteration budget and the segmentation keys."""
     if cfg.task not in TASKS:
         fail("task", f"must be one of {', '.join(TASKS)}")
-    if cfg.data not in DATASETS + SEG_DATASETS:
-        fail("data", f"must be one of {', '.join(DATASETS + SEG_DATASETS)}")
-    if (cfg.task == "segmentation") != (cfg.data in SEG_DATASETS):
-        trains_on = SEG_DATASETS if cfg.task == "segmentation" else DATASETS
+    every = DATASETS + SEG_DATASETS + COCO_DATASETS
+    if cfg.data not in every:
+        fail("data", f"must be one of {', '.join(every)}")
+    trains_on = {"segmentation": SEG_DATASETS, "detection": COCO_DATASETS}.get(cfg.task, DATASETS)
+    if cfg.data not in trains_on:
         fail("data", f"task={cfg.task} trains on {', '.join(trains_on)}")
+    if cfg.detector not in DETECTORS:
+        fail("detector", f"must be one of {', '.join(DETECTORS)}")
+    if min(cfg.det_scale) < 1:
+        fail("det_scale", "must be two sizes >= 1")
+    if cfg.warmup_iters is not None and cfg.warmup_iters < 0:
+        fail("warmup_iters", "must be >= 0")
+    m = cfg.decay_milestones
+    if any(not a < b for a, b in zip((0, *m), m, strict=False)):
+        fail("decay_milestones", "must be increasing epochs > 0")
     if cfg.iters is not None and cfg.iters < 1:
         fail("iters", "must be >= 1")
     if not cfg.poly_power > 0:

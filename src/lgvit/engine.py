@@ -38,7 +38,7 @@ from lgvit.checkpoint import (
 )
 from lgvit.config import TrainConfig, config_from_dict, config_to_dict, save_config, scaled_lr
 from lgvit.errors import LgvitError
-from lgvit.optim import ModelEma, build_optimizer, lr_at, run_epochs, total_steps
+from lgvit.optim import ModelEma, build_optimizer, lr_at, run_epochs, total_steps, warmup_steps
 from lgvit.preempt import RunControl
 from lgvit.progress import RunClock, StepProgress, format_duration, on_terminal
 from lgvit.rundir import RunLock, check_mid_epoch_batch, check_resumable, remove_stale_temps
@@ -489,7 +489,7 @@ def _optimisation(
     ema = ModelEma(model, cfg.ema_decay) if cfg.ema else None
     schedule = dict(
         total_steps=total_steps(cfg, steps_per_epoch),
-        warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
+        warmup_steps=warmup_steps(cfg, steps_per_epoch),
         cfg=cfg, base_lr=base_lr, steps_per_epoch=steps_per_epoch,
     )  # fmt: skip
     return Optimisation(optimizer, scaler, ema, schedule)
@@ -497,13 +497,14 @@ def _optimisation(
 
 def _warn_warmup(cfg: TrainConfig, opt: Optimisation) -> None:
     sch = opt.schedule
-    if cfg.warmup_epochs > 0 and sch["warmup_steps"] >= sch["total_steps"]:
+    if sch["warmup_steps"] > 0 and sch["warmup_steps"] >= sch["total_steps"]:
         final = lr_at(opt.schedule["total_steps"] - 1, **opt.schedule)
         run_is = f"the {cfg.iters}-iteration budget" if cfg.iters else f"epochs {cfg.epochs}"
+        key = "warmup_iters" if cfg.warmup_iters is not None else "warmup_epochs"
         warnings.warn(
-            f"warmup_epochs {cfg.warmup_epochs:g} >= {run_is}: the learning rate "
+            f"{key} {getattr(cfg, key):g} >= {run_is}: the learning rate "
             f"rises for the whole run and ends at {final:.3g}, below its peak "
-            f"{opt.schedule['base_lr']:.3g} (lower --set warmup_epochs=...)",
+            f"{opt.schedule['base_lr']:.3g} (lower --set {key}=...)",
             stacklevel=3,
         )
 

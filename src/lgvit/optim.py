@@ -18,6 +18,13 @@ def run_epochs(cfg: TrainConfig, steps_per_epoch: int) -> int:
     return -(-cfg.iters // steps_per_epoch) if cfg.iters else cfg.epochs
 
 
+def warmup_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """The warm-up's steps: ``warmup_iters``, or ``warmup_epochs`` of steps."""
+    if cfg.warmup_iters is not None:
+        return cfg.warmup_iters
+    return int(cfg.warmup_epochs * steps_per_epoch)
+
+
 def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     """The run's optimizer steps: ``iters``, or ``epochs`` whole epochs."""
     return cfg.iters if cfg.iters else cfg.epochs * steps_per_epoch
@@ -33,14 +40,19 @@ def lr_at(
 ) -> float:
     """Linear warm-up from warmup_lr, then (``sched``) per-step cosine decay from base_lr to
     min_lr, a per-step linear or poly (``poly_power``) decay from base_lr to min_lr, a step
-    decay by ``decay_rate`` every ``decay_epochs``, or a constant base_lr."""
+    decay by ``decay_rate`` every ``decay_epochs`` (or after each of ``decay_milestones``), or
+    a constant base_lr."""
     if step < warmup_steps:
         return cfg.warmup_lr + (base_lr - cfg.warmup_lr) * step / warmup_steps
     if cfg.sched == "none":
         return base_lr
     if cfg.sched == "step":
         epochs = step / max(steps_per_epoch, 1)
-        return max(base_lr * cfg.decay_rate ** math.floor(epochs / cfg.decay_epochs), cfg.min_lr)
+        if cfg.decay_milestones:  # mmdet's step=[8, 11]: x rate after epoch 8, again after 11
+            decays = sum(epochs >= m for m in cfg.decay_milestones)
+        else:
+            decays = math.floor(epochs / cfg.decay_epochs)
+        return max(base_lr * cfg.decay_rate**decays, cfg.min_lr)
     t = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     if cfg.sched == "linear":
         return cfg.min_lr + (base_lr - cfg.min_lr) * (1.0 - min(t, 1.0))

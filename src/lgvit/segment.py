@@ -62,16 +62,6 @@ def build_segmenter(cfg: TrainConfig, num_classes: int, d: Dist) -> tuple[nn.Mod
     return model, crop
 
 
-def _load(model: nn.Module, weights: dict[str, torch.Tensor], path: str, what: str) -> None:
-    from lgvit.errors import error_lines
-
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as e:
-        detail = (error_lines(e)[1:] or [first_line(e)])[0]
-        raise LgvitError(f"--initial-checkpoint {path} does not fit {what}: {detail}") from None
-
-
 @dataclass
 class SegmentationTask:
     """Semantic segmentation (:class:`lgvit.engine.Task`)."""
@@ -125,7 +115,7 @@ class SegmentationTask:
         ``.pth``) fine-tunes the whole model (a classifier of another class count dropped);
         anything else is the backbone's classification weights (lgvit's, the authors'
         ``.pth``, timm's), read as ``create_model`` reads them, head and final norm left out."""
-        from lgvit.checkpoint import load_weights
+        from lgvit.checkpoint import load_into, load_weights
         from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
         from lgvit.models import create_model
 
@@ -138,7 +128,7 @@ class SegmentationTask:
                     and k in own and weights[k].shape != own[k].shape]  # fmt: skip
             for k in head:
                 weights[k] = own[k]
-            _load(model, weights, path, f"Semantic FPN on {self.cfg.model}")
+            load_into(model, weights, path, f"Semantic FPN on {self.cfg.model}")
             dropped = " (its classifier for another class count dropped)" if head else ""
             return f"started from the Semantic FPN weights of {path}{dropped}"
         try:
@@ -147,7 +137,7 @@ class SegmentationTask:
             raise LgvitError(f"--initial-checkpoint: {e}") from None
         inner = model.backbone.model
         sd = {k: v for k, v in cls.state_dict().items() if k in inner.state_dict()}
-        _load(inner, {**inner.state_dict(), **sd}, path, self.cfg.model)
+        load_into(inner, {**inner.state_dict(), **sd}, path, self.cfg.model)
         return f"backbone started from the classification weights of {path} ({len(sd)} tensors)"
 
     def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:

@@ -88,9 +88,9 @@ def predict_segmentation(args: argparse.Namespace) -> int:
         logits = predict_logits(model, x, tuple(img.shape[-2:]), info["mean"], info["std"])
         pred = logits.argmax(1)[0].to(torch.uint8).cpu().numpy()
         stem = Path(path).stem
-        _save_png(Image.fromarray(pred), out / f"{stem}_mask.png")
+        save_png(Image.fromarray(pred), out / f"{stem}_mask.png")
         overlay = (0.5 * img.permute(1, 2, 0).numpy() + 0.5 * colours[pred]).astype(np.uint8)
-        _save_png(Image.fromarray(overlay), out / f"{stem}_overlay.png")
+        save_png(Image.fromarray(overlay), out / f"{stem}_overlay.png")
         counts = np.bincount(pred.ravel(), minlength=len(colours))
         share = {info["classes"][c]: round(float(counts[c] / pred.size), 4)
                  for c in np.argsort(-counts) if counts[c]}  # fmt: skip
@@ -103,7 +103,7 @@ def predict_segmentation(args: argparse.Namespace) -> int:
     return report_predictions(results, failed, args.json, line)
 
 
-def _save_png(img: Image.Image, path: Path) -> None:
+def save_png(img: Image.Image, path: Path) -> None:
     import io
 
     from lgvit.atomic import atomic_write_bytes

@@ -243,4 +243,8 @@ def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -
         from lgvit.segment import SegmentationTask
 
         return run(cfg, SegmentationTask(), explicit)
+    if cfg.task == "detection":
+        from lgvit.detect import DetectionTask
+
+        return run(cfg, DetectionTask(), explicit)
     return run(cfg, ClassificationTask(), explicit)

@@ -81,20 +81,26 @@ class SegSplit:
 # --------------------------------------------------------------------------------- files
 
 
-def _root(data_dir: str | os.PathLike, cache_dir: str | os.PathLike | None) -> Path:
+def dataset_root(
+    data_dir: str | os.PathLike, cache_dir: str | os.PathLike | None, marker: str, layout: str
+) -> Path:
+    """The folder holding ``marker/``: ``data_dir`` itself, a ``.tar.gz`` of it (extracted
+    once into the cache), or a lone wrapper folder in either, looked through."""
     from lgvit.data.datasets import default_cache_dir
     from lgvit.data.imagefolder import _folder_or_archive
 
     root = _folder_or_archive(Path(data_dir), Path(cache_dir or default_cache_dir()))
-    if not (root / "images").is_dir():
-        subdirs = [e for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")]
-        if len(subdirs) == 1 and (Path(subdirs[0].path) / "images").is_dir():
-            return Path(subdirs[0].path)
-        raise LgvitError(
-            f"{data_dir}: no images/ folder (expected images/{{training,validation}}/ and "
-            "annotations/{training,validation}/, ADE20K's layout)"
-        )
-    return root
+    if (root / marker).is_dir():
+        return root
+    subdirs = [e for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")]
+    if len(subdirs) == 1 and (Path(subdirs[0].path) / marker).is_dir():
+        return Path(subdirs[0].path)
+    raise LgvitError(f"{data_dir}: no {marker}/ folder (expected {layout})")
+
+
+def _root(data_dir: str | os.PathLike, cache_dir: str | os.PathLike | None) -> Path:
+    layout = "images/{training,validation}/ and annotations/{training,validation}/, ADE20K's layout"
+    return dataset_root(data_dir, cache_dir, "images", layout)
 
 
 def _split_dir(parent: Path, split: str) -> Path:

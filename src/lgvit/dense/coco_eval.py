@@ -1,0 +1,185 @@
+"""COCO evaluation of detectors: detections in COCO's results format, pycocotools' COCOeval,
+the whole split across processes, and loading a detector for ``lgvit eval``/``predict``.
+
+As mmdetection 2.11's ``CocoDataset.evaluate``: boxes as ``[x, y, w, h]`` with ``w = x2 - x1``
+(no +1), masks thresholded at 0.5 and run-length encoded, each mask scored with its box's score;
+bbox and segm are evaluated from separate result lists (segm without boxes, so COCOeval takes
+each mask's area and box from the mask), over every image of the split. AP, AP50, AP75, APs,
+APm, APl are COCOeval's ``stats[0:6]`` in percent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from lgvit.errors import LgvitError, error_lines
+from lgvit.progress import StepProgress, on_terminal
+from lgvit.runtime import Dist, autocast
+
+STATS = ("AP", "AP50", "AP75", "APs", "APm", "APl")  # COCOeval's stats[0:6]
+
+
+def detection_results(
+    output: dict[str, torch.Tensor], image_id: int, cat_ids: Sequence[int], label_offset: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One image's detections as COCO results: (bbox results, segm results; empty without
+    masks). ``label_offset``: 1 where class 0 is the background (Mask R-CNN)."""
+    from pycocotools import mask as mask_utils
+
+    boxes = output["boxes"].detach().float().cpu()
+    scores = output["scores"].detach().float().cpu().tolist()
+    labels = (output["labels"].detach().cpu() - label_offset).tolist()
+    xywh = torch.cat([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], 1).tolist()
+    cats = [cat_ids[c] for c in labels]
+    bbox = [{"image_id": image_id, "category_id": c, "bbox": [round(v, 2) for v in b],
+             "score": round(s, 5)} for b, s, c in zip(xywh, scores, cats, strict=True)]  # fmt: skip
+    segm: list[dict[str, Any]] = []
+    if "masks" in output:
+        masks = (output["masks"].detach()[:, 0] > 0.5).cpu().numpy().astype(np.uint8)
+        for m, s, c in zip(masks, scores, cats, strict=True):
+            rle = mask_utils.encode(np.asfortranarray(m))
+            rle["counts"] = rle["counts"].decode("ascii")
+            segm.append({"image_id": image_id, "category_id": c, "segmentation": rle,
+                         "score": round(s, 5)})  # fmt: skip
+    return bbox, segm
+
+
+def coco_evaluate(
+    coco_gt: Any, results: list[dict[str, Any]], iou_type: str, image_ids: Sequence[int]
+) -> dict[str, float]:
+    """COCOeval's AP, AP50, AP75, APs, APm, APl (%) of ``results`` over ``image_ids``
+    (``iou_type``: bbox or segm); all 0 when there is no detection."""
+    from pycocotools.cocoeval import COCOeval
+
+    if not results:
+        return {f"{iou_type}_{k}": 0.0 for k in STATS}
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints as it goes
+        dt = coco_gt.loadRes(copy.deepcopy(results))
+        ev = COCOeval(coco_gt, dt, iou_type)
+        ev.params.imgIds = list(image_ids)
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    # COCOeval's -1 (no ground truth in an area range) stays -1, as pycocotools prints it.
+    stats = [100 * float(v) if v >= 0 else -1.0 for v in ev.stats[:6]]
+    return {f"{iou_type}_{k}": v for k, v in zip(STATS, stats, strict=True)}
+
+
+def detect(model: nn.Module, images: list[torch.Tensor], amp: torch.dtype | None = None) -> list:
+    """torchvision detector outputs (on the CPU) for uint8 ``(3, H, W)`` images."""
+    device = next(model.parameters()).device
+    x = [im.to(device).float().div_(255) for im in images]
+    with torch.no_grad(), autocast(device, amp):
+        out = model(x)
+    return [{k: v.float().cpu() if v.is_floating_point() else v.cpu() for k, v in o.items()}
+            for o in out]  # fmt: skip
+
+
+def _gather(items: list[Any], d: Dist) -> list[Any]:
+    if d.world_size == 1:
+        return items
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * d.world_size
+    dist.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
+
+
+def evaluate_detection(
+    model: nn.Module, loader: Any, split: Any, label_offset: int, d: Dist,
+    amp: torch.dtype | None, desc: str = "eval", keep_results: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """COCO bbox (and segm, for models with masks) AP over the whole split, all processes.
+    ``loader`` yields ``(image uint8 or None if unreadable, image_id)``."""
+    was_training = model.training
+    model.eval()
+    bbox: list[dict[str, Any]] = []
+    segm: list[dict[str, Any]] = []
+    count = unreadable = 0
+    progress = StepProgress(len(loader), desc, d.main and on_terminal())
+    for image, image_id in loader:
+        progress.update(1)
+        if image is None:
+            unreadable += 1
+            continue
+        (out,) = detect(model, [image], amp)
+        b, s = detection_results(out, image_id, split.cat_ids, label_offset)
+        bbox += b
+        segm += s
+        count += 1
+    progress.close()
+    model.train(was_training)
+    bbox, segm = _gather(bbox, d), _gather(segm, d)
+    count, unreadable = (sum(v) for v in zip(*_gather([(count, unreadable)], d), strict=True))
+    result: dict[str, Any] = coco_evaluate(split.coco, bbox, "bbox", split.image_ids)
+    if getattr(unwrap_detector(model), "detector", "") == "maskrcnn":
+        result.update(coco_evaluate(split.coco, segm, "segm", split.image_ids))
+    result.update(count=count, unreadable=unreadable, detections=len(bbox))
+    if keep_results:
+        result["results"] = {"bbox": bbox, "segm": segm}
+    return result
+
+
+def unwrap_detector(model: nn.Module) -> nn.Module:
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
+
+
+# --------------------------------------------------------------------------------- loading
+
+
+def load_detector(
+    checkpoint: str, device: str | torch.device | None = None, model_name: str | None = None,
+    detector: str | None = None,
+) -> nn.Module:  # fmt: skip
+    """An eval-mode detector from an lgvit detection checkpoint (its metadata names the
+    detector, backbone, classes and COCO category ids, sizes) or from the LIT authors' mmdet
+    ``.pth`` (``model_name`` the backbone, ``detector`` retinanet or maskrcnn; COCO's 80
+    classes). ``model.det_info``: ``classes``, ``cat_ids``, ``label_offset``."""
+    from lgvit.checkpoint import check_finite_weights, load_metadata, load_weights
+    from lgvit.data.coco import COCO_CAT_IDS, COCO_CLASSES
+    from lgvit.dense.detection import create_detector
+    from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
+    from lgvit.inference import resolve_device
+
+    try:
+        meta = load_metadata(checkpoint)
+    except LgvitError:
+        meta = {}
+    if meta and meta.get("task") != "detection":
+        raise LgvitError(f"{checkpoint}: a {meta.get('task', 'classification')} checkpoint, "
+                         "not a detection one")  # fmt: skip
+    weights = load_weights(checkpoint)
+    name, kind = model_name or meta.get("model"), detector or meta.get("detector")
+    if not name or not kind:
+        raise LgvitError(f"{checkpoint}: no backbone or detector stored in it; pass --model "
+                         "NAME and --detector retinanet|maskrcnn")  # fmt: skip
+    try:
+        classes = json.loads(meta["classes"]) if "classes" in meta else list(COCO_CLASSES)
+        cat_ids = json.loads(meta["cat_ids"]) if "cat_ids" in meta else list(COCO_CAT_IDS)
+        long, short = json.loads(meta.get("det_scale", "[1333, 800]"))
+        img_size = int(meta.get("img_size", short))
+    except (ValueError, TypeError, KeyError) as e:
+        raise LgvitError(f"{checkpoint}: malformed detection metadata ({e})") from None
+    model = create_detector(kind, name, len(classes), min_size=short, max_size=long,
+                            img_size=img_size)  # fmt: skip
+    if is_mmdet_layout(weights):
+        weights = mmdet_to_lgvit(weights, model, str(checkpoint))
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        detail = (error_lines(e)[1:] or [str(e)])[0]
+        raise LgvitError(f"{checkpoint} does not fit {kind} on {name}: {detail}") from None
+    check_finite_weights(model, checkpoint)
+    model.det_info = {"classes": list(classes), "cat_ids": list(cat_ids),
+                      "label_offset": 1 if kind == "maskrcnn" else 0}  # fmt: skip
+    return model.to(resolve_device(device)).eval()

@@ -1,0 +1,165 @@
+"""Object detection and instance segmentation on the shared run (:mod:`lgvit.engine`):
+torchvision's RetinaNet and Mask R-CNN on any pyramid model, LIT's COCO 1x recipe
+(configs/coco_*.yaml).
+
+The task brings the detector (:mod:`lgvit.dense.detection`), COCO data read with pycocotools
+(:mod:`lgvit.data.coco`), the detector's own losses and COCOeval (:mod:`lgvit.dense.coco_eval`);
+the run, its checkpoints, resume, preemption, DDP and logs are the engine's. Images stay uint8
+until the device: the detector's transform resizes them to ``det_scale``, normalises and pads
+them to a multiple of 32 there.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lgvit.config import TrainConfig
+from lgvit.engine import Prepared
+from lgvit.errors import LgvitError, first_line
+from lgvit.models import is_model
+from lgvit.runtime import Dist, autocast, barrier
+
+
+def build_detector(cfg: TrainConfig, num_classes: int) -> nn.Module:
+    """``cfg.detector`` on ``cfg.model``, checked to run on a small image before data loads."""
+    from lgvit.dense.detection import create_detector
+
+    if not is_model(cfg.model):
+        raise LgvitError(f"unknown model {cfg.model!r} (`lgvit info` lists the registered ones)")
+    long, short = max(cfg.det_scale), min(cfg.det_scale)
+    try:
+        model = create_detector(
+            cfg.detector, cfg.model, num_classes, min_size=short, max_size=long,
+            img_size=cfg.img_size or short, drop_path_rate=cfg.drop_path,
+            grad_checkpointing=cfg.grad_checkpointing,
+        )  # fmt: skip
+        with torch.no_grad():
+            model.eval()([torch.zeros(3, 64, 64)])
+    except (ValueError, RuntimeError) as e:
+        raise LgvitError(f"{cfg.detector} on {cfg.model}: {first_line(e)}") from None
+    return model.train()
+
+
+def detection_loss(losses: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sum of the detector's losses (classification, boxes, RPN, masks), float32."""
+    return sum(v.float() for v in losses.values())  # type: ignore[return-value]
+
+
+@dataclass
+class DetectionTask:
+    """Object detection / instance segmentation (:class:`lgvit.engine.Task`)."""
+
+    identity_keys: tuple[str, ...] = ("task", "detector", "model", "data", "num_classes")
+    best_metric: str = "bbox_AP"
+    cfg: TrainConfig | None = None
+    val: Any = None
+    label_offset: int = 0
+
+    def prepare(self, cfg: TrainConfig, d: Dist) -> Prepared:
+        from lgvit.data.coco import DetEvalLoader, DetTrainLoader, load_coco_split
+
+        self.cfg = cfg
+        if d.main:  # rank 0 first: an archive is extracted once
+            train = load_coco_split(cfg.data_dir, "train", cfg.cache_dir)
+            barrier(d)
+        else:
+            barrier(d)
+            train = load_coco_split(cfg.data_dir, "train", cfg.cache_dir)
+        self.val = load_coco_split(cfg.data_dir, "val", cfg.cache_dir)
+        n = len(train.classes)
+        if cfg.num_classes and cfg.num_classes != n:
+            raise LgvitError(f"num_classes={cfg.num_classes} but {cfg.data} has {n} classes")
+        if self.val.cat_ids != train.cat_ids:
+            raise LgvitError(f"{self.val.ann_file}: its categories differ from the training "
+                             f"split's ({train.ann_file})")  # fmt: skip
+        model = build_detector(cfg, n)
+        self.label_offset = 1 if cfg.detector == "maskrcnn" else 0
+        masks = cfg.detector == "maskrcnn"
+        train_loader = DetTrainLoader(train, cfg.batch_size, cfg.seed, d.rank, d.world_size,
+                                      cfg.workers, with_masks=masks,
+                                      hflip=0.5 if cfg.hflip else 0.0)  # fmt: skip
+        test_loader = DetEvalLoader(self.val, d.rank, d.world_size, cfg.workers)
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        long, short = max(cfg.det_scale), min(cfg.det_scale)
+        description = (
+            f"{cfg.detector} on {cfg.model} ({params:.2f}M params), data {cfg.data}: "
+            f"{len(train)} train / {len(self.val)} val images, {n} classes, images at "
+            f"most {long}x{short}"
+        )
+        meta = {
+            "task": "detection", "detector": cfg.detector, "model": cfg.model,
+            "img_size": str(cfg.img_size or short), "num_classes": str(n),
+            "classes": json.dumps(list(train.classes)), "cat_ids": json.dumps(train.cat_ids),
+            "dataset": cfg.data, "det_scale": json.dumps([long, short]),
+        }  # fmt: skip
+        return Prepared(model, train_loader, test_loader, meta, description)
+
+    def load_initial(self, model: nn.Module, path: str) -> str:
+        """``--initial-checkpoint``: a detection checkpoint (lgvit's, or the authors' mmdet
+        ``.pth``) fine-tunes the whole detector; anything else is the backbone's
+        classification weights (lgvit's, the authors' ``.pth``, timm's), head left out."""
+        from lgvit.checkpoint import load_into, load_weights
+        from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
+        from lgvit.models import create_model
+
+        weights = load_weights(path)
+        what = f"{self.cfg.detector} on {self.cfg.model}"
+        if is_mmdet_layout(weights) or any(k.startswith("backbone.body.") for k in weights):
+            if is_mmdet_layout(weights):
+                weights = mmdet_to_lgvit(weights, model, path)
+            load_into(model, weights, path, what)
+            return f"started from the {what} weights of {path}"
+        try:
+            cls = create_model(self.cfg.model, checkpoint_path=path)
+        except LgvitError as e:
+            raise LgvitError(f"--initial-checkpoint: {e}") from None
+        inner = model.backbone.body.model
+        sd = {k: v for k, v in cls.state_dict().items() if k in inner.state_dict()}
+        load_into(inner, {**inner.state_dict(), **sd}, path, self.cfg.model)
+        return f"backbone started from the classification weights of {path} ({len(sd)} tensors)"
+
+    def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
+        # LIT's detection configs: AdamW on every parameter; LIT-S's also leave names holding
+        # 'norm', 'relative_position_bias_table', 'absolute_pos_embed' undecayed (mmdet's
+        # paramwise custom_keys with decay_mult 0): ``no_decay_keys``.
+        decay, no_decay = [], []
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                (no_decay if any(k in name for k in cfg.no_decay_keys) else decay).append(p)
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
+        return groups + ([{"params": no_decay, "weight_decay": 0.0}] if no_decay else [])
+
+    def loss(
+        self, model: nn.Module, batch: Any, epoch: int, d: Dist, amp: torch.dtype | None
+    ) -> tuple[torch.Tensor, int]:
+        images, targets = batch
+        dev = d.device
+        x = [im.to(dev, non_blocking=True).float().div_(255) for im in images]
+        t = [{k: v.to(dev, non_blocking=True) for k, v in tg.items()} for tg in targets]
+        for tg in t:
+            tg["labels"] = tg["labels"] + self.label_offset
+        with autocast(dev, amp):
+            losses = model(x, t)
+        return detection_loss(losses), len(x)
+
+    def evaluate(
+        self, model: nn.Module, loader: Any, d: Dist, amp: torch.dtype | None, desc: str
+    ) -> dict[str, Any]:
+        from lgvit.dense.coco_eval import evaluate_detection
+
+        return evaluate_detection(model, loader, self.val, self.label_offset, d, amp, desc)
+
+    def summary(self, result: dict[str, Any]) -> str:
+        keys = ("bbox_AP", "bbox_AP50", "segm_AP")
+        return " ".join(f"{k} {result[k]:.2f}" for k in keys if k in result)
+
+    def epoch_info(self, epoch: int) -> dict[str, Any]:
+        return {}
+
+    def epoch_cost(self, epoch: int) -> float:
+        return 1.0

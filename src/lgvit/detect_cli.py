@@ -1,0 +1,145 @@
+"""``lgvit eval`` and ``lgvit predict`` for detection checkpoints (RetinaNet, Mask R-CNN)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from lgvit.errors import LgvitError
+
+
+def eval_detection(args: argparse.Namespace) -> int:
+    """COCO bbox (and segm) AP of a detection checkpoint on ``--data-dir``'s val split, by
+    pycocotools' COCOeval; ``--predictions F.json`` keeps the detections in COCO's results
+    format (bbox in F.json, masks in F.segm.json) for anyone to rerun COCOeval on."""
+    from lgvit.atomic import atomic_write_bytes
+    from lgvit.data.coco import COCO_DATASETS, DetEvalLoader, load_coco_split
+    from lgvit.dense.coco_eval import STATS, evaluate_detection, load_detector
+    from lgvit.runtime import Dist, resolve_amp
+
+    if args.data not in COCO_DATASETS:
+        raise LgvitError(f"{args.checkpoint} is a detector; evaluate it on --data coco")
+    model = load_detector(args.checkpoint, args.device, args.model, args.detector)
+    info = model.det_info
+    split = load_coco_split(args.data_dir, "val", args.cache_dir)
+    if split.cat_ids != info["cat_ids"] and not args.any_classes:
+        raise LgvitError(
+            f"{args.checkpoint} was trained on {len(info['cat_ids'])} categories (ids "
+            f"{_ids(info['cat_ids'])}) but {split.ann_file} has {len(split.cat_ids)} (ids "
+            f"{_ids(split.cat_ids)}); pass --any-classes to evaluate anyway"
+        )
+    device = next(model.parameters()).device
+    loader = DetEvalLoader(split, workers=args.workers)
+    res = evaluate_detection(model, loader, split, info["label_offset"], Dist(device=device),
+                             resolve_amp(args.amp, device), keep_results=True)  # fmt: skip
+    results = res.pop("results")
+    if args.predictions:
+        out = Path(args.predictions)
+        atomic_write_bytes(out, json.dumps(results["bbox"]).encode())
+        res["predictions"] = str(out)
+        if model.detector == "maskrcnn":
+            segm = out.with_name(out.name.removesuffix(".json") + ".segm.json")
+            atomic_write_bytes(segm, json.dumps(results["segm"]).encode())
+            res["predictions_segm"] = str(segm)
+    res.update(checkpoint=str(args.checkpoint), data=args.data, images=len(split),
+               annotations=str(split.ann_file))  # fmt: skip
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(f"{args.checkpoint} on {split.ann_file} ({res['count']} images, "
+          f"{res['detections']} detections)")  # fmt: skip
+    if res["unreadable"]:
+        print(f"  {res['unreadable']} unreadable image(s) counted as without detections")
+    for t in ("bbox", "segm"):
+        if f"{t}_AP" in res:
+            print(f"{t:4s}  " + "  ".join(f"{k} {res[f'{t}_{k}']:.1f}" for k in STATS))
+    for key in ("predictions", "predictions_segm"):
+        if key in res:
+            print(f"{key.replace('_', ' ')}: {res[key]}")
+    return 0
+
+
+def _ids(ids: list[int]) -> str:
+    return ", ".join(map(str, ids[:5])) + (", ..." if len(ids) > 5 else "")
+
+
+def predict_detection(args: argparse.Namespace) -> int:
+    """Per image: ``NAME_det.png`` (boxes with class names and scores, masks tinted, those
+    scoring at least ``--score-thr``) in ``--out``, and every detection as JSON (boxes
+    ``[x1, y1, x2, y2]`` in pixels, COCO category ids and names)."""
+    from lgvit.data.decode import read_image_rgb
+    from lgvit.dense.coco_eval import detect, load_detector
+    from lgvit.dense.evaluate import palette
+    from lgvit.inference import expand_images, report_predictions
+    from lgvit.segment_cli import save_png
+
+    if not args.out:
+        raise LgvitError("detection predict draws its boxes: pass --out DIR")
+    images = expand_images(args.images)
+    model = load_detector(args.checkpoint, args.device, args.model, args.detector)
+    info = model.det_info
+    colours = palette(len(info["classes"]) + 1)[1:]
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LgvitError(f"--out {out}: cannot create it ({e.strerror})") from None
+    results, failed = [], []
+    for path in images:
+        try:
+            img = read_image_rgb(path)
+        except LgvitError as e:
+            failed.append(str(e))
+            continue
+        (det,) = detect(model, [img])
+        dets = _detections(det, info)
+        png = out / f"{Path(path).stem}_det.png"
+        drawn = _draw(img, det, dets, colours[(det["labels"] - info["label_offset"]).numpy()],
+                      args.score_thr)  # fmt: skip
+        save_png(drawn, png)
+        results.append({"image": path, "drawn": str(png), "detections": dets})
+
+    def line(r: dict[str, Any]) -> str:
+        shown = [d for d in r["detections"] if d["score"] >= args.score_thr]
+        top = ", ".join(f"{d['class']} {100 * d['score']:.0f}%" for d in shown[:5])
+        return f"{r['image']}: {r['drawn']} ({len(shown)} above {args.score_thr}: {top})"
+
+    return report_predictions(results, failed, args.json, line)
+
+
+def _detections(det: dict[str, Any], info: dict[str, Any]) -> list[dict[str, Any]]:
+    labels = (det["labels"] - info["label_offset"]).tolist()
+    return [
+        {"class": info["classes"][c], "category_id": info["cat_ids"][c],
+         "score": round(float(s), 4), "box": [round(float(v), 1) for v in b]}
+        for b, s, c in zip(det["boxes"], det["scores"], labels, strict=True)
+    ]  # fmt: skip
+
+
+def _draw(
+    img: Any, det: dict[str, Any], dets: list[dict[str, Any]], colours: np.ndarray, thr: float
+) -> Image.Image:
+    """The image with each detection scoring ``thr`` or more: its mask tinted at 50%, its box
+    and a label ``class score``; ``colours[i]``: detection i's class colour."""
+    arr = img.permute(1, 2, 0).numpy().astype(np.float32)
+    keep = [i for i, d in enumerate(dets) if d["score"] >= thr]
+    if "masks" in det:
+        for i in keep:
+            m = det["masks"][i, 0].numpy() > 0.5
+            arr[m] = 0.5 * arr[m] + 0.5 * colours[i]
+    canvas = Image.fromarray(arr.clip(0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(canvas)
+    for i in keep:
+        d = dets[i]
+        colour = tuple(int(c) for c in colours[i])
+        draw.rectangle(d["box"], outline=colour, width=2)
+        text = f"{d['class']} {d['score']:.2f}"
+        x, y = d["box"][0], max(d["box"][1] - 11, 0)
+        draw.rectangle(draw.textbbox((x, y), text), fill=colour)
+        draw.text((x, y), text, fill=(255, 255, 255))
+    return canvas
