@@ -36,20 +36,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
+from harness import time_infer_train
 
 from lgvit.measure import (
     count_macs_of,
     describe_machine,
-    peak_rss_mb,
-    reset_peak_rss,
     run_in_fresh_process,
 )
 
@@ -126,37 +122,13 @@ def measure(
     images = [torch.randint(0, 256, (3, h, w), generator=gen).float() / 255 for _ in range(batch)]
     targets = random_targets(kind, batch, h, w, gen)
 
-    def infer() -> None:
-        model.eval()
-        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            model(images)
-
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4)
-
-    def train() -> None:
-        model.train()
-        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            losses = model(images, targets)
-        sum(v.float() for v in losses.values()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def timed(fn: Callable[[], None]) -> float:
-        fn()  # warm-up
-        ts = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-
-    t_inf = timed(infer)
-    reset_peak_rss()
-    t_train = timed(train)
+    t_inf, t_train, peak_gb = time_infer_train(
+        model, lambda: model(images), lambda: sum(model(images, targets).values()), steps, bf16
+    )
     return {
         "backbone": name, "detector": kind, "params_m": params / 1e6, "gmacs": macs / 1e9,
         "input": list(shape[-2:]), "infer_img_s": batch / t_inf, "train_img_s": batch / t_train,
-        "peak_train_gb": peak_rss_mb() / 1024,
+        "peak_train_gb": peak_gb,
     }  # fmt: skip
 
 

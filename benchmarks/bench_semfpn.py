@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from harness import time_infer_train
 
 from lgvit.measure import (
     count_macs_of,
     describe_machine,
-    peak_rss_mb,
-    reset_peak_rss,
     run_in_fresh_process,
 )
 
@@ -46,37 +43,14 @@ def measure(name: str, size: int, batch: int, steps: int, amp: str, threads: int
     x = torch.randn(batch, 3, size, size)
     y = torch.randint(0, 150, (batch, size, size))
 
-    def infer() -> None:
-        model.eval()
-        with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            model(x)
-
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4)
-
-    def train() -> None:
-        model.train()
-        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            logits = model(x)
-        F.cross_entropy(logits.float(), y, ignore_index=255).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def timed(fn) -> float:  # noqa: ANN001
-        fn()  # warm-up
-        ts = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-
-    t_inf = timed(infer)
-    reset_peak_rss()
-    t_train = timed(train)
+    t_inf, t_train, peak_gb = time_infer_train(
+        model, lambda: model(x), lambda: F.cross_entropy(model(x).float(), y, ignore_index=255),
+        steps, bf16,
+    )  # fmt: skip
     return {
         "backbone": name, "params_m": params / 1e6, "gmacs": macs / 1e9,
         "infer_img_s": batch / t_inf, "train_img_s": batch / t_train,
-        "peak_train_gb": peak_rss_mb() / 1024,
+        "peak_train_gb": peak_gb,
     }  # fmt: skip
 
 

@@ -36,6 +36,36 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'harness' has no attribute {name!r}")
 
 
+def time_infer_train(
+    model: nn.Module, infer: Callable[[], Any], loss: Callable[[], torch.Tensor], steps: int,
+    bf16: bool,
+) -> tuple[float, float, float]:  # fmt: skip
+    """Median seconds of ``infer()`` (eval mode, no grad) and of a training step (``loss()``,
+    backward, AdamW lr 1e-4 / weight decay 1e-4), each after one warm-up, under bf16 autocast
+    when asked; and the peak RSS (GB) counted from just before the first training step."""
+    from lgvit.measure import peak_rss_mb, reset_peak_rss, time_fn
+
+    def run_infer() -> None:
+        model.eval()
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            infer()
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4)
+
+    def train() -> None:
+        model.train()
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            value = loss()
+        value.float().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t_inf = time_fn(run_infer, warmup=1, repeats=steps)
+    reset_peak_rss()
+    t_train = time_fn(train, warmup=1, repeats=steps)
+    return t_inf, t_train, peak_rss_mb() / 1024
+
+
 def peak_rss_gb() -> float:
     from lgvit.measure import peak_rss_mb
 

@@ -371,3 +371,26 @@ def test_a_missing_image_is_reported_when_read(tmp_path, root):
     val = load_coco_split(_variant(tmp_path, root, add, split="val"), "val")
     i = val.image_ids.index(4242)
     _raises("no such image file", lambda: read_detection_sample(val, i), "gone.png")
+
+
+def test_loaders_leave_the_global_rng_alone(tmp_path):
+    """Starting an iteration must not draw from torch's global RNG (drop path and dropout draw
+    from it): a run resumed mid-epoch starts one more iteration than an uninterrupted one."""
+    from seg_fixtures import write_seg_set
+
+    from lgvit.data.segmentation import SegAugment, SegEvalLoader, SegTrainLoader, load_seg_split
+
+    split = load_coco_split(write_coco_set(tmp_path / "c", n_train=8, n_val=2), "train")
+    seg = load_seg_split("segfolder", write_seg_set(tmp_path / "s", n_train=8, n_val=2), "train")
+    loaders = [
+        DetTrainLoader(split, 2, 0, workers=0),
+        DetEvalLoader(split, workers=0),
+        SegTrainLoader(seg, SegAugment(crop=32, scale=(64, 48)), 2, 0, workers=0),
+        SegEvalLoader(seg, (64, 48), workers=0),
+    ]
+    for loader in loaders:
+        torch.manual_seed(0)
+        expected = torch.rand(1)
+        torch.manual_seed(0)
+        next(iter(loader))
+        assert torch.equal(torch.rand(1), expected), type(loader).__name__

@@ -656,13 +656,14 @@ def check_finite_weights(model: nn.Module, path: str | Path) -> None:
             )
 
 
-def load_into(model: nn.Module, weights: dict[str, Tensor], path: str, what: str) -> None:
-    """``model.load_state_dict(weights)`` (strict); a misfit is one line naming ``path``."""
+def load_into(model: nn.Module, weights: dict[str, Tensor], source: str, what: str) -> None:
+    """``model.load_state_dict(weights)`` (strict); a misfit is one line: ``source`` (the file,
+    or the flag and the file) does not fit ``what``, and the first key that does not."""
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:
         detail = (error_lines(e)[1:] or [first_line(e)])[0]
-        raise LgvitError(f"--initial-checkpoint {path} does not fit {what}: {detail}") from None
+        raise LgvitError(f"{source} does not fit {what}: {detail}") from None
 
 
 def load_initial_weights(model: nn.Module, path: str) -> str:

@@ -108,11 +108,12 @@ class DetectionTask:
         from lgvit.models import create_model
 
         weights = load_weights(path)
+        flag = f"--initial-checkpoint {path}"
         what = f"{self.cfg.detector} on {self.cfg.model}"
         if is_mmdet_layout(weights) or any(k.startswith("backbone.body.") for k in weights):
             if is_mmdet_layout(weights):
                 weights = mmdet_to_lgvit(weights, model, path)
-            load_into(model, weights, path, what)
+            load_into(model, weights, flag, what)
             return f"started from the {what} weights of {path}"
         try:
             cls = create_model(self.cfg.model, checkpoint_path=path)
@@ -120,7 +121,7 @@ class DetectionTask:
             raise LgvitError(f"--initial-checkpoint: {e}") from None
         inner = model.backbone.body.model
         sd = {k: v for k, v in cls.state_dict().items() if k in inner.state_dict()}
-        load_into(inner, {**inner.state_dict(), **sd}, path, self.cfg.model)
+        load_into(inner, {**inner.state_dict(), **sd}, flag, self.cfg.model)
         return f"backbone started from the classification weights of {path} ({len(sd)} tensors)"
 
     def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:

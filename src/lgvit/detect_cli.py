@@ -72,10 +72,9 @@ def predict_detection(args: argparse.Namespace) -> int:
     """Per image: ``NAME_det.png`` (boxes with class names and scores, masks tinted, those
     scoring at least ``--score-thr``) in ``--out``, and every detection as JSON (boxes
     ``[x1, y1, x2, y2]`` in pixels, COCO category ids and names)."""
-    from lgvit.data.decode import read_image_rgb
     from lgvit.dense.coco_eval import detect, load_detector
     from lgvit.dense.evaluate import palette
-    from lgvit.inference import expand_images, report_predictions
+    from lgvit.inference import expand_images, output_dir, read_images, report_predictions
     from lgvit.segment_cli import save_png
 
     if not args.out:
@@ -84,18 +83,10 @@ def predict_detection(args: argparse.Namespace) -> int:
     model = load_detector(args.checkpoint, args.device, args.model, args.detector)
     info = model.det_info
     colours = palette(len(info["classes"]) + 1)[1:]
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise LgvitError(f"--out {out}: cannot create it ({e.strerror})") from None
-    results, failed = [], []
-    for path in images:
-        try:
-            img = read_image_rgb(path)
-        except LgvitError as e:
-            failed.append(str(e))
-            continue
+    out = output_dir(args.out)
+    results: list[dict] = []
+    failed: list[str] = []
+    for path, img in read_images(images, failed):
         (det,) = detect(model, [img])
         dets = _detections(det, info)
         png = out / f"{Path(path).stem}_det.png"

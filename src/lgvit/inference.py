@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -172,6 +172,28 @@ def expand_images(paths: Sequence[str]) -> list[str]:
         else:
             out.append(p)
     return out
+
+
+def output_dir(path: str) -> Path:
+    """``--out``, created (one line when it cannot be)."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LgvitError(f"--out {out}: cannot create it ({e.strerror})") from None
+    return out
+
+
+def read_images(paths: Sequence[str], failed: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(path, uint8 (3, H, W))`` of each readable image; each unreadable one's line is
+    appended to ``failed`` (for :func:`report_predictions`)."""
+    from lgvit.data.decode import read_image_rgb
+
+    for path in paths:
+        try:
+            yield path, read_image_rgb(path)
+        except LgvitError as e:
+            failed.append(str(e))
 
 
 def report_predictions(

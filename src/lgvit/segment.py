@@ -120,6 +120,7 @@ class SegmentationTask:
         from lgvit.models import create_model
 
         weights = load_weights(path)
+        flag = f"--initial-checkpoint {path}"
         if is_mmseg_layout(weights) or any(k.startswith("decode_head.") for k in weights):
             if is_mmseg_layout(weights):
                 weights = mmseg_to_lgvit(weights, model, path)
@@ -128,7 +129,7 @@ class SegmentationTask:
                     and k in own and weights[k].shape != own[k].shape]  # fmt: skip
             for k in head:
                 weights[k] = own[k]
-            load_into(model, weights, path, f"Semantic FPN on {self.cfg.model}")
+            load_into(model, weights, flag, f"Semantic FPN on {self.cfg.model}")
             dropped = " (its classifier for another class count dropped)" if head else ""
             return f"started from the Semantic FPN weights of {path}{dropped}"
         try:
@@ -137,7 +138,7 @@ class SegmentationTask:
             raise LgvitError(f"--initial-checkpoint: {e}") from None
         inner = model.backbone.model
         sd = {k: v for k, v in cls.state_dict().items() if k in inner.state_dict()}
-        load_into(inner, {**inner.state_dict(), **sd}, path, self.cfg.model)
+        load_into(inner, {**inner.state_dict(), **sd}, flag, self.cfg.model)
         return f"backbone started from the classification weights of {path} ({len(sd)} tensors)"
 
     def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:

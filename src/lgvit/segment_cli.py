@@ -61,10 +61,9 @@ def predict_segmentation(args: argparse.Namespace) -> int:
     """Per image: ``NAME_mask.png`` (class indices, 8-bit) and ``NAME_overlay.png`` (the
     image with the classes' colours at 50%), in ``--out``; a JSON line per image with the
     classes found and their share of the pixels."""
-    from lgvit.data.decode import read_image_rgb
     from lgvit.data.segmentation import eval_sample
     from lgvit.dense.evaluate import load_segmenter, palette, predict_logits
-    from lgvit.inference import expand_images, report_predictions
+    from lgvit.inference import expand_images, output_dir, read_images, report_predictions
 
     if not args.out:
         raise LgvitError("segmentation predict writes PNGs: pass --out DIR")
@@ -72,18 +71,10 @@ def predict_segmentation(args: argparse.Namespace) -> int:
     model = load_segmenter(args.checkpoint, args.device, args.model)
     info = model.seg_info
     colours = palette(len(info["classes"]))
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise LgvitError(f"--out {out}: cannot create it ({e.strerror})") from None
-    results, failed = [], []
-    for path in images:
-        try:
-            img = read_image_rgb(path)
-        except LgvitError as e:
-            failed.append(str(e))
-            continue
+    out = output_dir(args.out)
+    results: list[dict] = []
+    failed: list[str] = []
+    for path, img in read_images(images, failed):
         x = eval_sample(img, info["scale"])[None]
         logits = predict_logits(model, x, tuple(img.shape[-2:]), info["mean"], info["std"])
         pred = logits.argmax(1)[0].to(torch.uint8).cpu().numpy()

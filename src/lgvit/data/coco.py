@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from lgvit.data.decode import read_image_rgb
-from lgvit.data.segmentation import _Items, _keep, sample_rng
+from lgvit.data.segmentation import EpochLoader, _Items, _keep, own_generator, sample_rng
 from lgvit.errors import LgvitError
 
 COCO_DATASETS = ("coco",)
@@ -305,6 +305,14 @@ def _index(data: dict[str, Any]) -> Any:
     return coco
 
 
+def require_pycocotools() -> None:
+    """COCO's annotations and COCOeval are pycocotools' (``pip install "lgvit[coco]"``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("pycocotools") is None:
+        raise LgvitError("COCO data and COCOeval need pycocotools: pip install pycocotools")
+
+
 def load_coco_split(
     data_dir: str | os.PathLike | None, split: str, cache_dir: str | os.PathLike | None = None,
     *, train: bool | None = None,
@@ -315,6 +323,7 @@ def load_coco_split(
         raise LgvitError(f"COCO split {split!r}: expected one of {', '.join(_SPLITS)}")
     if data_dir is None:
         raise LgvitError("--data coco needs --data-dir (nothing is downloaded)")
+    require_pycocotools()
     train = split == "train" if train is None else train
     root = _coco_root(data_dir, cache_dir)
     ann_file = root / "annotations" / f"instances_{split}2017.json"
@@ -465,7 +474,7 @@ class _TrainSet(torch.utils.data.Dataset):
         return img.contiguous(), {k: v.contiguous() for k, v in target.items()}
 
 
-class DetTrainLoader:
+class DetTrainLoader(EpochLoader):
     """Batches ``(images: list of uint8 (3, H, W), targets: list of {"boxes", "labels"[,
     "masks"]})`` of one process's share, in the engine's loader contract: every sample depends
     only on (seed, epoch, image), so ``set_epoch(epoch, batch)`` continues an epoch exactly.
@@ -497,16 +506,6 @@ class DetTrainLoader:
         self.epoch, self.start = 0, 0
         self.skipped: list[str] = []
 
-    def __len__(self) -> int:  # a whole epoch's steps, also when it is resumed mid-way
-        return self.steps
-
-    def set_epoch(self, epoch: int, batch: int = 0, state: Any = None) -> None:
-        self.epoch, self.start = epoch, batch
-        self.set.epoch = epoch
-
-    def aug_state(self) -> None:
-        return None
-
     def global_batches(self) -> list[list[int]]:
         """The epoch's global batches (image indices), all processes' shares in rank order."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
@@ -520,11 +519,7 @@ class DetTrainLoader:
     def __iter__(self) -> Iterator[tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]]:
         b, r = self.batch_size, self.rank
         batches = [gb[r * b : (r + 1) * b] for gb in self.global_batches()[self.start :]]
-        self.start = 0  # the next epoch starts at its beginning
-        loader = torch.utils.data.DataLoader(
-            self.set, batch_sampler=batches, num_workers=self.workers, collate_fn=_keep
-        )
-        for items in loader:
+        for items in self._items(batches):
             good = []
             for item in items:
                 if isinstance(item, str):
@@ -557,7 +552,7 @@ class DetEvalLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor | None, int]]:
         loader = torch.utils.data.DataLoader(
             _Items(self._item, self.indices), batch_size=1, num_workers=self.workers,
-            collate_fn=_keep,
+            collate_fn=_keep, generator=own_generator(),
         )  # fmt: skip
         for items in loader:
             img, image_id = items[0]

@@ -330,6 +330,14 @@ def eval_sample(img: torch.Tensor, scale: Sequence[int]) -> torch.Tensor:
 # --------------------------------------------------------------------------------- loaders
 
 
+def own_generator() -> torch.Generator:
+    """For a DataLoader: without one, starting each iteration draws its workers' base seed from
+    the global RNG, which drop path and dropout also draw from -- a run resumed mid-epoch
+    starts one more iteration than an uninterrupted one and its model's draws would differ.
+    (Every augmentation here draws from ``sample_rng``, not from workers' seeds.)"""
+    return torch.Generator().manual_seed(0)
+
+
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     """The random stream of one image in one epoch: independent of workers and processes."""
     return np.random.Generator(np.random.PCG64([seed, epoch, index]))
@@ -362,7 +370,37 @@ def _stack(items: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([i[0] for i in items]), torch.stack([i[1] for i in items])
 
 
-class SegTrainLoader:
+class EpochLoader:
+    """The engine's loader contract for loaders whose every draw depends only on (seed, epoch,
+    image): ``set_epoch(epoch, batch)`` continues an epoch at a batch, and there is no stream
+    state to save. Subclasses set ``steps`` and ``set`` (the dataset, told the epoch)."""
+
+    steps: int
+    set: Any
+    workers: int
+    epoch: int = 0
+    start: int = 0
+
+    def __len__(self) -> int:  # a whole epoch's steps, also when it is resumed mid-way
+        return self.steps
+
+    def set_epoch(self, epoch: int, batch: int = 0, state: Any = None) -> None:
+        self.epoch, self.start = epoch, batch
+        self.set.epoch = epoch
+
+    def aug_state(self) -> None:
+        return None
+
+    def _items(self, batches: list[list[int]]) -> Any:
+        """The items of ``batches`` (index lists), read in ``workers`` processes."""
+        self.start = 0  # the next epoch starts at its beginning
+        return torch.utils.data.DataLoader(
+            self.set, batch_sampler=batches, num_workers=self.workers, collate_fn=_keep,
+            generator=own_generator(),
+        )  # fmt: skip
+
+
+class SegTrainLoader(EpochLoader):
     """Batches ``(images uint8 (B, 3, S, S), masks int64 (B, S, S))`` of one process's share,
     in an order drawn per epoch; the engine's loader contract (``set_epoch(epoch, batch)``
     continues an epoch at a batch: every sample's augmentation depends only on (seed, epoch,
@@ -383,16 +421,6 @@ class SegTrainLoader:
             )
         self.epoch, self.start = 0, 0
 
-    def __len__(self) -> int:  # a whole epoch's steps, also when it is resumed mid-way
-        return self.steps
-
-    def set_epoch(self, epoch: int, batch: int = 0, state: Any = None) -> None:
-        self.epoch, self.start = epoch, batch
-        self.set.epoch = epoch
-
-    def aug_state(self) -> None:
-        return None
-
     def _batches(self) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(len(self.set), generator=g).tolist()
@@ -404,12 +432,7 @@ class SegTrainLoader:
         return out
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        batches = self._batches()
-        self.start = 0  # the next epoch starts at its beginning
-        loader = torch.utils.data.DataLoader(
-            self.set, batch_sampler=batches, num_workers=self.workers, collate_fn=_keep
-        )
-        for items in loader:
+        for items in self._items(self._batches()):
             yield _stack(items)
 
 
@@ -438,7 +461,7 @@ class SegEvalLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         loader = torch.utils.data.DataLoader(
             _Items(self._item, self.indices), batch_size=1, num_workers=self.workers,
-            collate_fn=_keep,
+            collate_fn=_keep, generator=own_generator(),
         )  # fmt: skip
         for items in loader:
             yield _stack(items)

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lgvit.data.decode import load_rgb
 from lgvit.data.loader import BatchLoader, _seed
+from lgvit.data.segmentation import own_generator
 from lgvit.data.splits import FileImageSet, ImageSet
 from lgvit.data.transforms import normalize, resize_center_crop
 from lgvit.errors import LgvitError
@@ -135,7 +136,7 @@ class StreamingLoader(BatchLoader):
         )  # fmt: skip
         dl = DataLoader(
             ds, batch_size=None, shuffle=False, num_workers=self.workers,
-            pin_memory=self.device.type == "cuda",
+            pin_memory=self.device.type == "cuda", generator=own_generator(),
         )  # fmt: skip
         for (x, ok), idx in zip(dl, batches, strict=True):
             y = self.labels[idx]

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from lgvit.errors import LgvitError, error_lines
+from lgvit.errors import LgvitError
 from lgvit.progress import StepProgress, on_terminal
 from lgvit.runtime import Dist, autocast
 
@@ -145,7 +145,7 @@ def load_detector(
     detector, backbone, classes and COCO category ids, sizes) or from the LIT authors' mmdet
     ``.pth`` (``model_name`` the backbone, ``detector`` retinanet or maskrcnn; COCO's 80
     classes). ``model.det_info``: ``classes``, ``cat_ids``, ``label_offset``."""
-    from lgvit.checkpoint import check_finite_weights, load_metadata, load_weights
+    from lgvit.checkpoint import check_finite_weights, load_into, load_metadata, load_weights
     from lgvit.data.coco import COCO_CAT_IDS, COCO_CLASSES
     from lgvit.dense.detection import create_detector
     from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
@@ -174,11 +174,7 @@ def load_detector(
                             img_size=img_size)  # fmt: skip
     if is_mmdet_layout(weights):
         weights = mmdet_to_lgvit(weights, model, str(checkpoint))
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as e:
-        detail = (error_lines(e)[1:] or [str(e)])[0]
-        raise LgvitError(f"{checkpoint} does not fit {kind} on {name}: {detail}") from None
+    load_into(model, weights, str(checkpoint), f"{kind} on {name}")
     check_finite_weights(model, checkpoint)
     model.det_info = {"classes": list(classes), "cat_ids": list(cat_ids),
                       "label_offset": 1 if kind == "maskrcnn" else 0}  # fmt: skip

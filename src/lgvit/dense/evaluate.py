@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lgvit.data.segmentation import IGNORE
-from lgvit.errors import LgvitError, error_lines
+from lgvit.errors import LgvitError
 from lgvit.progress import StepProgress, on_terminal
 from lgvit.runtime import Dist, all_reduce_sum, autocast
 
@@ -120,7 +120,7 @@ def load_segmenter(
 
     ``model.seg_info`` holds what prediction needs: ``classes``, ``mean``, ``std``,
     ``scale``."""
-    from lgvit.checkpoint import check_finite_weights, load_metadata, load_weights
+    from lgvit.checkpoint import check_finite_weights, load_into, load_metadata, load_weights
     from lgvit.data.segmentation import ADE20K_CLASSES
     from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
     from lgvit.dense.semfpn import create_segmenter
@@ -147,11 +147,7 @@ def load_segmenter(
     model = create_segmenter(name, len(classes), img_size=img_size)
     if is_mmseg_layout(weights):
         weights = mmseg_to_lgvit(weights, model, str(checkpoint))
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as e:
-        detail = (error_lines(e)[1:] or [str(e)])[0]
-        raise LgvitError(f"{checkpoint} does not fit Semantic FPN on {name}: {detail}") from None
+    load_into(model, weights, str(checkpoint), f"Semantic FPN on {name}")
     check_finite_weights(model, checkpoint)
     cfg = model.pretrained_cfg
     model.seg_info = {
