@@ -100,8 +100,9 @@ def random_targets(
 
 
 def measure(
-    name: str, kind: str, size: tuple[int, int], batch: int, steps: int, amp: str, threads: int
-) -> dict[str, Any]:
+    name: str, kind: str, size: tuple[int, int], batch: int, steps: int, amp: str, threads: int,
+    grad_checkpointing: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     from lgvit.dense.detection import create_detector
 
     torch.set_num_threads(threads)
@@ -116,7 +117,7 @@ def measure(
     batched, _ = meta.transform([torch.zeros(3, h, w)])  # the resized, padded shape
     shape = batched.tensors.shape
     macs = count_macs_of(lambda: network_forward(meta, torch.zeros(shape, device="meta")))
-    model = create_detector(kind, name, **kwargs)
+    model = create_detector(kind, name, grad_checkpointing=grad_checkpointing, **kwargs)
     bf16 = amp == "bf16"
     gen = torch.Generator().manual_seed(0)
     images = [torch.randint(0, 256, (3, h, w), generator=gen).float() / 255 for _ in range(batch)]
@@ -150,6 +151,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--amp", choices=["none", "bf16"], default="none")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--grad-checkpointing", action="store_true",
+                   help="recompute backbone blocks in backward (LIT-S's configs)")  # fmt: skip
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the rows here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)  # so describe_machine names the threads used
@@ -157,14 +160,16 @@ def main() -> None:
     rows = []
     for name in args.backbones:
         for kind in args.detectors:
-            run = (name, kind, tuple(args.size), args.batch, args.steps, args.amp, args.threads)
+            run = (name, kind, tuple(args.size), args.batch, args.steps, args.amp, args.threads,
+                   args.grad_checkpointing)  # fmt: skip
             try:
                 rows.append(run_in_fresh_process(measure, run))
             except RuntimeError as e:  # one failing pair (e.g. out of memory) keeps the others
                 rows.append({"backbone": name, "detector": kind, "error": str(e)})
     h, w = args.size
+    ckpt = ", activation checkpointing" if args.grad_checkpointing else ""
     print(f"COCO detectors, 80 classes, {h}x{w} input, batch {args.batch}, amp {args.amp}, "
-          f"{args.threads} threads; MACs: backbone + FPN + heads, one image")  # fmt: skip
+          f"{args.threads} threads{ckpt}; MACs: backbone + FPN + heads, one image")  # fmt: skip
     print("| backbone | detector | params (M) | paper params (M) | GMACs | infer img/s | "
           "train img/s | peak train mem (GB) | paper AP (box / mask) |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -175,11 +180,12 @@ def main() -> None:
                   f"- | - | {ap} |")  # fmt: skip
             continue
         print(f"| {r['backbone']} | {r['detector']} | {r['params_m']:.2f} | {pp} | "
-              f"{r['gmacs']:.1f} | {r['infer_img_s']:.2f} | {r['train_img_s']:.2f} | "
+              f"{r['gmacs']:.1f} | {r['infer_img_s']:.3f} | {r['train_img_s']:.3f} | "
               f"{r['peak_train_gb']:.2f} | {ap} |")  # fmt: skip
     if args.json:
         meta = {"machine": describe_machine(), "size": [h, w], "batch": args.batch,
-                "steps": args.steps, "amp": args.amp, "threads": args.threads}  # fmt: skip
+                "steps": args.steps, "amp": args.amp, "threads": args.threads,
+                "grad_checkpointing": args.grad_checkpointing}  # fmt: skip
         for r in rows:
             r["paper"] = list(PAPER[r["detector"]].get(r["backbone"], ()))
         args.json.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
