@@ -184,6 +184,7 @@ def test_retinanet_learns_and_eval_is_cocoeval(coco_root, tmp_path, capsys):
                  str(tmp_path / "pred"), "--json"]) == 0  # fmt: skip
     out = json.loads(capsys.readouterr().out)[0]
     assert Path(out["drawn"]).is_file() and out["detections"]
+    assert json.loads(Path(out["drawn"]).with_suffix(".json").read_text()) == out
     assert {d["class"] for d in out["detections"]} <= {"disc", "square"}
 
 

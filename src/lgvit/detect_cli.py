@@ -69,9 +69,11 @@ def _ids(ids: list[int]) -> str:
 
 
 def predict_detection(args: argparse.Namespace) -> int:
-    """Per image: ``NAME_det.png`` (boxes with class names and scores, masks tinted, those
-    scoring at least ``--score-thr``) in ``--out``, and every detection as JSON (boxes
-    ``[x1, y1, x2, y2]`` in pixels, COCO category ids and names)."""
+    """Per image, in ``--out``: ``NAME_det.png`` (boxes with class names and scores, masks
+    tinted, those scoring at least ``--score-thr``) and ``NAME_det.json`` (every detection: box
+    ``[x1, y1, x2, y2]`` in pixels, class name, COCO category id, score; also printed with
+    ``--json``)."""
+    from lgvit.atomic import atomic_write_bytes
     from lgvit.dense.coco_eval import detect, load_detector
     from lgvit.dense.evaluate import palette
     from lgvit.inference import expand_images, output_dir, read_images, report_predictions
@@ -93,7 +95,9 @@ def predict_detection(args: argparse.Namespace) -> int:
         drawn = _draw(img, det, dets, colours[(det["labels"] - info["label_offset"]).numpy()],
                       args.score_thr)  # fmt: skip
         save_png(drawn, png)
-        results.append({"image": path, "drawn": str(png), "detections": dets})
+        result = {"image": path, "drawn": str(png), "detections": dets}
+        atomic_write_bytes(png.with_suffix(".json"), json.dumps(result, indent=1).encode())
+        results.append(result)
 
     def line(r: dict[str, Any]) -> str:
         shown = [d for d in r["detections"] if d["score"] >= args.score_thr]
