@@ -38,8 +38,13 @@ def build_detector(cfg: TrainConfig, num_classes: int) -> nn.Module:
             img_size=cfg.img_size or short, drop_path_rate=cfg.drop_path,
             grad_checkpointing=cfg.grad_checkpointing,
         )  # fmt: skip
+        # A small probe (the transform set to 64 px for it): building is what is checked, and a
+        # full 800 px forward of LIT-S costs seconds on a CPU.
+        sizes = model.transform.min_size, model.transform.max_size
+        model.transform.min_size, model.transform.max_size = (64,), 64
         with torch.no_grad():
             model.eval()([torch.zeros(3, 64, 64)])
+        model.transform.min_size, model.transform.max_size = sizes
     except (ValueError, RuntimeError) as e:
         raise LgvitError(f"{cfg.detector} on {cfg.model}: {first_line(e)}") from None
     return model.train()
