@@ -456,7 +456,8 @@ def _validate_sizes(cfg: TrainConfig, fail: Any) -> None:
 
 
 def _validate_task(cfg: TrainConfig, fail: Any) -> None:
-    """The task, its data, the iteration budget and the segmentation keys."""
+    """The task, its data, the iteration budget, the schedule's milestones, the segmentation
+    and detection keys."""
     if cfg.task not in TASKS:
         fail("task", f"must be one of {', '.join(TASKS)}")
     every = DATASETS + SEG_DATASETS + COCO_DATASETS

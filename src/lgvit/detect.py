@@ -158,7 +158,9 @@ class DetectionTask:
     ) -> dict[str, Any]:
         from lgvit.dense.coco_eval import evaluate_detection
 
-        return evaluate_detection(model, loader, self.val, self.label_offset, d, amp, desc)
+        masks = self.cfg.detector == "maskrcnn"
+        return evaluate_detection(model, loader, self.val, self.label_offset, d, amp, desc,
+                                  masks=masks)  # fmt: skip
 
     def summary(self, result: dict[str, Any]) -> str:
         keys = ("bbox_AP", "bbox_AP50", "segm_AP")

@@ -36,7 +36,8 @@ def eval_detection(args: argparse.Namespace) -> int:
     device = next(model.parameters()).device
     loader = DetEvalLoader(split, workers=args.workers)
     res = evaluate_detection(model, loader, split, info["label_offset"], Dist(device=device),
-                             resolve_amp(args.amp, device), keep_results=True)  # fmt: skip
+                             resolve_amp(args.amp, device), keep_results=True,
+                             masks=model.detector == "maskrcnn")  # fmt: skip
     results = res.pop("results")
     if args.predictions:
         out = Path(args.predictions)

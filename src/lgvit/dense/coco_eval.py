@@ -97,8 +97,9 @@ def _gather(items: list[Any], d: Dist) -> list[Any]:
 def evaluate_detection(
     model: nn.Module, loader: Any, split: Any, label_offset: int, d: Dist,
     amp: torch.dtype | None, desc: str = "eval", keep_results: bool = False,
+    masks: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """COCO bbox (and segm, for models with masks) AP over the whole split, all processes.
+    """COCO bbox (and, with ``masks``, segm) AP over the whole split, all processes.
     ``loader`` yields ``(image uint8 or None if unreadable, image_id)``."""
     was_training = model.training
     model.eval()
@@ -121,17 +122,12 @@ def evaluate_detection(
     bbox, segm = _gather(bbox, d), _gather(segm, d)
     count, unreadable = (sum(v) for v in zip(*_gather([(count, unreadable)], d), strict=True))
     result: dict[str, Any] = coco_evaluate(split.coco, bbox, "bbox", split.image_ids)
-    if getattr(unwrap_detector(model), "detector", "") == "maskrcnn":
+    if masks:
         result.update(coco_evaluate(split.coco, segm, "segm", split.image_ids))
     result.update(count=count, unreadable=unreadable, detections=len(bbox))
     if keep_results:
         result["results"] = {"bbox": bbox, "segm": segm}
     return result
-
-
-def unwrap_detector(model: nn.Module) -> nn.Module:
-    model = getattr(model, "_orig_mod", model)
-    return getattr(model, "module", model)
 
 
 # --------------------------------------------------------------------------------- loading

@@ -38,11 +38,11 @@ from torchvision.ops import FeaturePyramidNetwork, MultiScaleRoIAlign, roi_align
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxPool
 from torchvision.ops.poolers import _convert_to_roi_format, _filter_input, _setup_scales
 
+from lgvit.config import DETECTORS
 from lgvit.dense.backbone import DenseBackbone, create_backbone
 from lgvit.errors import LgvitError
 from lgvit.models.swin import SwinTransformer
 
-DETECTORS = ("retinanet", "maskrcnn")
 DETECTION_SIZE = 800  # the short side LIT's detection configs train and test at
 
 
