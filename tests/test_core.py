@@ -89,6 +89,30 @@ def test_relative_position_bias_matches_explicit_offsets():
     torch.testing.assert_close(att(x, (H, W)), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_query_key_value_matmul_equals_separate_projections():
+    # One matmul over the concatenated q and kv weights (grouped heads: kv narrower than q);
+    # the parameters and their gradients stay those of q and kv.
+    torch.manual_seed(0)
+    att = Attention(12, 6, kv_heads=2).double()
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    grads = []
+    for fused in (True, False):
+        att.fuse_qkv = fused
+        att.zero_grad()
+        out = att(x)
+        out.square().sum().backward()
+        grads.append([p.grad.clone() for p in (att.q.weight, att.kv.weight, att.kv.bias)])
+        if fused:
+            k, v = (
+                t.view(2, 5, 2, 2).repeat_interleave(3, 2).reshape(2, 5, 12)
+                for t in att.kv(x).split(4, dim=-1)
+            )  # query head h reads kv head h // 3
+            ref = att.proj(_reference_attention(att.q(x), k, v, 6))
+            torch.testing.assert_close(out, ref)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_relative_table_resized_on_load():
     torch.manual_seed(0)
     small, big = RelativePositionBias(4, 2), RelativePositionBias(6, 2)

@@ -38,14 +38,17 @@ def test_captured_global_attention_is_softmax_of_q_k_and_leaves_the_output_alone
     attn = Attention(24, 4, kv_heads=2, rel_pos_grid=(3, 4)).eval()  # grouped heads + a bias
     x = torch.randn(2, 12, 24)
     plain = attn(x, (3, 4))
-    seen = _outputs(attn, ["q", "kv"])
     with viz.capture_attention([attn]) as (store,):
         captured_out = attn(x, (3, 4))
     assert torch.equal(captured_out, plain)  # the same forward pass
     probs, grid = store[0]
     assert grid == (3, 4) and probs.shape == (2, 4, 12, 12)
-    q = seen["q"][0].view(2, 12, 4, 6)
-    k = seen["kv"][0][..., :12].view(2, 12, 2, 6)
+    xd = x.double()  # the projections recomputed from the weights
+    q = torch.nn.functional.linear(xd, attn.q.weight.double(), attn.q.bias.double()).view(
+        2, 12, 4, 6
+    )
+    kv = torch.nn.functional.linear(xd, attn.kv.weight.double(), attn.kv.bias.double())
+    k = kv[..., :12].view(2, 12, 2, 6)
     bias = attn.rel_pos((3, 4)).double()
     want = torch.empty(2, 4, 12, 12, dtype=torch.float64)
     for h in range(4):  # query head h reads key head h // 2
