@@ -10,6 +10,9 @@ are added where the CPU has native bf16 (AVX-512 bf16 or AMX), or with ``--bf16`
 ``--no-tune`` leaves glibc's allocator as a user's script would find it (lgvit's CLI tunes it:
 ``lgvit.runtime.tune_cpu_allocator``).
 
+Both are built with the same stochastic depth, the papers' recipe (lgvit's default: DeiT 0.1,
+Swin-T 0.2; timm's defaults are 0 and 0.1), so a training step does the same work on both sides.
+
 Exact counterparts (same architecture, parameter count and timm weights load into ours):
 DeiT-T/S and Swin-T. The other lgvit models have none in timm: LSA, LocalViT and LIT are not in
 timm; timm's PVT is PVT-v2 only (ours is v1), it has no T2T-ViT, and its TNT is TNT-S/B (ours is
@@ -36,15 +39,22 @@ PEERS = {
 }
 
 
+DROP_PATH = {"deit_tiny": 0.1, "deit_small": 0.1, "swin_tiny": 0.2}  # the papers' recipes
+
+
 def build(impl: str, name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if impl == "timm":
         import timm
 
-        return timm.create_model(PEERS[name])
+        return timm.create_model(PEERS[name], drop_path_rate=DROP_PATH[name])
     import lgvit
 
-    return lgvit.create_model(name)
+    return lgvit.create_model(name, drop_path_rate=DROP_PATH[name])
+
+
+def drop_path_rates(model: torch.nn.Module) -> list[float]:
+    return [round(float(m.drop_prob), 6) for m in model.modules() if hasattr(m, "drop_prob")]
 
 
 def main() -> None:
@@ -75,6 +85,8 @@ def main() -> None:
     for m in args.models:  # same architecture: same parameter count
         n = {impl: sum(p.numel() for p in models[impl, m].parameters()) for impl in impls}
         assert n["lgvit"] == n["timm"], (m, n)
+        rates = {impl: [r for r in drop_path_rates(models[impl, m]) if r] for impl in impls}
+        assert rates["lgvit"] == rates["timm"], (m, rates)  # the same stochastic depth
     rows = []
     for batch in args.batch_sizes:
         for mode in args.modes:

@@ -151,6 +151,29 @@ def test_window_attention_matches_per_window_reference_and_caches_mask():
     assert att._mask((H, W), x.device) is att._mask((H, W), x.device)  # built once
 
 
+def test_a_mask_per_window_repeats_over_the_images_in_every_attention_path():
+    # Swin hands one mask per window (P, 1, N, N) for B = images x P windows, image-major.
+    from lgvit.models.layers.attention import attention_probs, multihead_sdpa, per_sample_mask
+
+    torch.manual_seed(0)
+    B, P, N, heads, d = 6, 3, 5, 2, 4
+    q, k, v = (torch.randn(B, N, heads * d, dtype=torch.float64) for _ in range(3))
+    mask = torch.randn(P, 1, N, N, dtype=torch.float64)
+    split = [t.view(B, N, heads, d).transpose(1, 2) for t in (q, k, v)]
+    want = torch.stack([
+        F.scaled_dot_product_attention(*(t[b] for t in split), attn_mask=mask[b % P])
+        for b in range(B)
+    ]).transpose(1, 2).reshape(B, N, heads * d)  # fmt: skip
+    torch.testing.assert_close(multihead_sdpa(q, k, v, heads, attn_mask=mask), want)  # explicit
+    fused = F.scaled_dot_product_attention(*split, attn_mask=per_sample_mask(mask, B))
+    torch.testing.assert_close(fused.transpose(1, 2).reshape(B, N, heads * d), want)
+    probs = attention_probs(q, k, heads, attn_mask=mask)
+    logits = split[0] @ split[1].transpose(-1, -2) / d**0.5
+    want_p = torch.stack([(logits[b] + mask[b % P]).softmax(-1) for b in range(B)])
+    torch.testing.assert_close(probs.double(), want_p, rtol=1e-5, atol=1e-6)
+    assert per_sample_mask(mask[:1], B) is not None and per_sample_mask(None, B) is None
+
+
 def test_mlp_only_block_and_feed_forward_without_norm():
     torch.manual_seed(0)
     blk = Block(8, attn_layer=None, mlp_ratio=2)
@@ -191,6 +214,22 @@ def test_feature_indices_and_drop_path_schedule():
     sched = drop_path_schedule(0.3, [1, 2, 1])
     assert [len(s) for s in sched] == [1, 2, 1]
     assert sched[0][0] == 0.0 and sched[-1][-1] == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drop_path_zeroes_whole_samples_and_scales_the_rest_by_exactly_one_over_keep(dtype):
+    from lgvit.models.layers.drop import drop_path
+
+    torch.manual_seed(0)
+    x = (torch.rand(4000, 3, 16) + 0.5).to(dtype)
+    out = drop_path(x, 0.1, training=True)
+    kept = out.flatten(1).ne(0).all(1)
+    assert torch.equal(out.flatten(1).eq(0).all(1), ~kept)  # whole samples, nothing partial
+    assert 0.08 < 1 - kept.float().mean() < 0.12
+    ratio = out[kept].double() / x[kept].double()
+    # unbiased: 1/0.9 in bf16 (1.109375) would sit 0.16% low; rounding is 2^-9 per element
+    assert abs(ratio.mean().item() * 0.9 - 1) < 2e-4, ratio.mean()
+    assert drop_path(x, 0.1, training=False) is x
 
 
 class _BatchNormBlock(nn.Module):

@@ -15,7 +15,9 @@ def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -
     keep = 1.0 - drop_prob
     shape = (x.shape[0],) + (1,) * (x.ndim - 1)
     mask = x.new_empty(shape).bernoulli_(keep)
-    return x * mask / keep
+    if x.dtype in (torch.float32, torch.float64):
+        return x * mask.div_(keep)  # one pass over x, as timm (x * mask / keep took two)
+    return x * mask / keep  # 1/keep in bf16 would scale every kept sample ~0.2% too little
 
 
 class DropPath(nn.Module):
