@@ -8,6 +8,16 @@
 3. DeformableTokenMerging alone vs a 2x2 stride-2 conv of the same shape (stage 1 -> 2 of
    LIT-Ti: 64 -> 128 channels on a 56x56 map), forward and forward + backward.
 
+With ``--authors-repo PATH`` (a checkout of github.com/ziplab/LIT) and ``--timm-src TIMM032``
+(the folder holding timm 0.3.2's ``timm`` package, their dependency), instead: lit_ti and
+lit_s, ours against the authors' classification code (``code_for_lit_ti/lit.py`` and
+``code_for_lit_s_m_b/models/lit.py``, built as their scripts build them, drop path 0.1 / 0.2 like
+ours), inference and training step, fp32 and bf16, alternating in one run. Their deformable
+convolution is a CUDA-only extension (its CPU functions raise "Not implement on cpu"), so their
+``DeformConv2dFunction`` is replaced by an exact one: ``torchvision.ops.deform_conv2d`` on float32
+inputs, as their ``custom_fwd(cast_inputs=torch.float32)`` / apex ``float_function`` do (``--authors-dcn lgvit``: lgvit's
+pure path instead, to separate the model code from the kernel). Nothing of theirs is part of lgvit.
+
 Configurations alternate round by round (medians); every model runs in its own spawned process
 with the same runtime settings.
 """
@@ -86,18 +96,112 @@ def train_peak_memory(model: str, batch: int, threads: int) -> float:
     return r.close()
 
 
+AUTHORS_DIRS = {"lit_ti": "code_for_lit_ti", "lit_s": "code_for_lit_s_m_b"}
+
+
+class _ExactDeformConv2d:
+    """Stands in for the authors' ``DeformConv2dFunction`` (``.apply``, their argument order)."""
+
+    use_torchvision = True
+
+    @classmethod
+    def apply(cls, x, offset, weight, bias, stride, padding, dilation, groups, dgroups, step):
+        from lgvit.models.layers.deform import deform_conv2d
+
+        assert groups == 1 and dgroups == 1 and dilation in (1, (1, 1))
+        with torch.autocast("cpu", enabled=False):  # their custom_fwd casts to float32
+            f = (t.float() for t in (x, offset, weight, bias))
+            return deform_conv2d(*f, stride, padding, use_torchvision=cls.use_torchvision)
+
+
+def build_authors(name: str, dcn: str = "torchvision") -> nn.Module:  # the authors' process
+    import types
+
+    sys.argv = sys.argv[:1]  # their params.py parses the command line when imported
+    sys.modules["DCN"] = types.ModuleType("DCN")  # the CUDA extension, never called
+    apex = sys.modules["apex"] = types.ModuleType("apex")  # LIT-S's: amp.float_function only
+    apex.amp = types.SimpleNamespace(float_function=lambda f: f)
+    import mm_modules.DCN.modules.deform_conv2d as their_dcn
+
+    _ExactDeformConv2d.use_torchvision = dcn == "torchvision"
+    their_dcn.DeformConv2dFunction = _ExactDeformConv2d
+    if name == "lit_ti":
+        import lit  # code_for_lit_ti/lit.py
+
+        return lit.lit_ti(drop_path_rate=0.1)
+    from models.lit import LIT  # code_for_lit_s_m_b: models/build.py with configs/lit-small.yaml
+
+    return LIT(embed_dim=96, depths=[2, 2, 6, 2], num_heads=[3, 6, 12, 24], drop_path_rate=0.2)
+
+
+def against_authors(args: argparse.Namespace) -> None:
+    runners = {"lgvit": ProcessRunner("harness:build_lgvit", threads=args.threads)}
+    for model, folder in AUTHORS_DIRS.items():
+        paths = [os.path.join(args.authors_repo, "classification", folder), args.timm_src]
+        runners[f"authors {model}"] = ProcessRunner(
+            "bench_lit:build_authors",
+            (args.authors_dcn,),
+            threads=args.threads,
+            paths=paths,
+            tuned_malloc=args.authors_tuned_malloc,
+        )
+    keys = []
+    for mode in ("infer", "train"):
+        for model in AUTHORS_DIRS:
+            for impl in ("lgvit", f"authors {model}"):
+                for prec in ("fp32", "bf16"):
+                    key = (impl, model, mode, prec, args.batch)
+                    runners[impl].prepare(
+                        key, model, (3, 224, 224), mode == "train", prec == "bf16"
+                    )
+                    keys.append(key)
+    params = {impl: r.params(impl.split()[-1]) for impl, r in runners.items() if impl != "lgvit"}
+    print("authors' params:", params, flush=True)
+    rows = results_table(alternate(runners, keys, args.rounds))
+    ips = {(r["impl"].split()[0], r["model"], r["mode"], r["prec"]): r["img_s"] for r in rows}
+    print(f"\nlgvit over the authors' code (their deformable conv: {args.authors_dcn}):")
+    for mode in ("infer", "train"):
+        for model in AUTHORS_DIRS:
+            ours = {p: ips["lgvit", model, mode, p] for p in ("fp32", "bf16")}
+            theirs = {p: ips["authors", model, mode, p] for p in ("fp32", "bf16")}
+            print(
+                f"  {model:7s} {mode:5s} batch {args.batch}: fp32/fp32 "
+                f"{ours['fp32'] / theirs['fp32']:4.2f}x; bf16/bf16 "
+                f"{ours['bf16'] / theirs['bf16']:4.2f}x; our bf16 / their fp32 "
+                f"{ours['bf16'] / theirs['fp32']:4.2f}x"
+            )
+    rss = {impl: round(r.close(), 2) for impl, r in runners.items()}
+    print("peak RSS (GB, all configurations of a process):", rss)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(machine=describe_machine(), rows=rows, rss_gb=rss), f, indent=2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="batch 2, one round")
+    ap.add_argument("--authors-repo", help="a checkout of ziplab/LIT: time against their code")
+    ap.add_argument("--timm-src", help="folder with timm 0.3.2's `timm` package")
+    ap.add_argument(
+        "--authors-tuned-malloc",
+        action="store_true",
+        help="give the authors' process lgvit's allocator tuning too (ours has it: create_model "
+        "applies it; theirs runs by default as their scripts do)",
+    )
+    ap.add_argument("--authors-dcn", choices=("torchvision", "lgvit"), default="torchvision")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.quick:
         args.batch, args.rounds = 2, 1
     torch.set_num_threads(args.threads)
     print(describe_machine(), f"(children: {args.threads} threads), batch {args.batch}", flush=True)
+    if args.authors_repo:
+        if not args.timm_src:
+            ap.error("--authors-repo needs --timm-src (their code imports timm 0.3.2)")
+        return against_authors(args)
 
     runners = {"lgvit": ProcessRunner("harness:build_lgvit", threads=args.threads)}
     models = ("lit_ti", "lit_ti_uniform", "pvt_small")

@@ -52,6 +52,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--authors-repo")
     ap.add_argument("--timm-src", help="folder with timm 0.3.2's `timm` package")
+    ap.add_argument(
+        "--authors-tuned-malloc",
+        action="store_true",
+        help="give the authors' process lgvit's allocator tuning too (ours has it: create_model "
+        "applies it; theirs runs by default as their scripts do)",
+    )
     ap.add_argument("--quick", action="store_true", help="batch 2, one round, inference only")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -63,7 +69,10 @@ def main() -> None:
     if args.authors_repo:
         paths = [args.authors_repo] + ([args.timm_src] if args.timm_src else [])
         runners["authors"] = ProcessRunner(
-            "bench_localvit:build_authors", threads=args.threads, paths=paths
+            "bench_localvit:build_authors",
+            threads=args.threads,
+            paths=paths,
+            tuned_malloc=args.authors_tuned_malloc,
         )
     keys = []
     for batch in args.batch_sizes:
