@@ -379,8 +379,10 @@ def test_prune_intermediate_layers():
     torch.testing.assert_close(got[0], want[0])
 
 
-def test_explicit_attention_path_matches_the_fused_kernel():
-    # bf16 training on the CPU takes the explicit matmul path (faster backward); same maths.
+def test_explicit_attention_path_matches_the_fused_kernel(monkeypatch):
+    # bf16 on the CPU takes the explicit matmul path in training (faster backward) and, without
+    # AMX, in inference too; with AMX inference stays fused. Same maths.
+    from lgvit.models.layers import attention as A
     from lgvit.models.layers.attention import _explicit_attention
 
     torch.manual_seed(0)
@@ -393,5 +395,9 @@ def test_explicit_attention_path_matches_the_fused_kernel():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         train = att(x)  # grad enabled, bf16: the explicit path
         with torch.no_grad():
+            monkeypatch.setattr(A, "_amx", lambda: True)
             infer = att(x)  # the fused kernel
+            monkeypatch.setattr(A, "_amx", lambda: False)
+            assert torch.equal(att(x), train.detach())  # explicit, as in training
     torch.testing.assert_close(train.float(), infer.float(), rtol=0.02, atol=0.02)
+    assert not torch.equal(train.detach(), infer)  # the two paths did run

@@ -9,6 +9,8 @@ stage map).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -53,9 +55,14 @@ def multihead_sdpa(
         mask = attn_mask.expand(*attn_mask.shape[:-3], num_heads, N, M)
         attn_mask = mask.reshape(*mask.shape[:-3], kvh, g * N, M).to(q.dtype)
     cpu = q.device.type == "cpu"
-    if (cpu and q.dtype != torch.float32 and torch.is_grad_enabled()) or (
+    low = cpu and q.dtype != torch.float32
+    if (low and (torch.is_grad_enabled() or not _amx())) or (
         attn_mask is not None and (cpu or torch.compiler.is_exporting())
     ):
+        # bf16 on the CPU: the fused kernel's backward is slow (see _explicit_attention), and
+        # without AMX its forward too (AMD EPYC avx512_bf16, batch 32 inference: DeiT-T 95.5
+        # -> 106.7 img/s, LocalViT-T 85.3 -> 93.0; with AMX the fused forward was level with
+        # explicit timm 0.3.2: DeiT-T 195 vs 189 img/s). fp32: fused (DeiT-T 60.6 vs 58.5).
         # With a mask on the CPU the fused call often falls back to torch's math kernel, whose
         # safe softmax scans every row for full masking (aten::all + where: 62 of 1381 ms of a
         # Swin-T bf16 batch): explicit is faster (Swin-T bf16 inference, batch 32, AMD EPYC
@@ -68,6 +75,13 @@ def multihead_sdpa(
             q, k, v, attn_mask=per_sample_mask(attn_mask, B), dropout_p=dropout_p, scale=scale
         )
     return x.view(B, kvh, g, N, d).permute(0, 3, 1, 2, 4).reshape(B, N, num_heads * d)
+
+
+@functools.cache
+def _amx() -> bool:
+    from lgvit.runtime import cpu_bf16_support
+
+    return cpu_bf16_support() == "amx_bf16"
 
 
 def per_sample_mask(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
