@@ -15,8 +15,9 @@ lit_s, ours against the authors' classification code (``code_for_lit_ti/lit.py``
 ours), inference and training step, fp32 and bf16, alternating in one run. Their deformable
 convolution is a CUDA-only extension (its CPU functions raise "Not implement on cpu"), so their
 ``DeformConv2dFunction`` is replaced by an exact one: ``torchvision.ops.deform_conv2d`` on float32
-inputs, as their ``custom_fwd(cast_inputs=torch.float32)`` / apex ``float_function`` do (``--authors-dcn lgvit``: lgvit's
-pure path instead, to separate the model code from the kernel). Nothing of theirs is part of lgvit.
+inputs, as their ``custom_fwd(cast_inputs=torch.float32)`` / apex ``float_function`` do
+(``--authors-dcn lgvit``: lgvit's pure path instead, to separate the model code from the
+kernel). Nothing of theirs is part of lgvit.
 
 Configurations alternate round by round (medians); every model runs in its own spawned process
 with the same runtime settings.
@@ -138,7 +139,7 @@ def against_authors(args: argparse.Namespace) -> None:
     runners = {"lgvit": ProcessRunner("harness:build_lgvit", threads=args.threads)}
     for model, folder in AUTHORS_DIRS.items():
         paths = [os.path.join(args.authors_repo, "classification", folder), args.timm_src]
-        runners[f"authors {model}"] = ProcessRunner(
+        runners[f"authors/{model}"] = ProcessRunner(
             "bench_lit:build_authors",
             (args.authors_dcn,),
             threads=args.threads,
@@ -148,17 +149,17 @@ def against_authors(args: argparse.Namespace) -> None:
     keys = []
     for mode in ("infer", "train"):
         for model in AUTHORS_DIRS:
-            for impl in ("lgvit", f"authors {model}"):
+            for impl in ("lgvit", f"authors/{model}"):
                 for prec in ("fp32", "bf16"):
                     key = (impl, model, mode, prec, args.batch)
                     runners[impl].prepare(
                         key, model, (3, 224, 224), mode == "train", prec == "bf16"
                     )
                     keys.append(key)
-    params = {impl: r.params(impl.split()[-1]) for impl, r in runners.items() if impl != "lgvit"}
+    params = {impl: r.params(impl.split("/")[-1]) for impl, r in runners.items() if impl != "lgvit"}
     print("authors' params:", params, flush=True)
     rows = results_table(alternate(runners, keys, args.rounds))
-    ips = {(r["impl"].split()[0], r["model"], r["mode"], r["prec"]): r["img_s"] for r in rows}
+    ips = {(r["impl"].split("/")[0], r["model"], r["mode"], r["prec"]): r["img_s"] for r in rows}
     print(f"\nlgvit over the authors' code (their deformable conv: {args.authors_dcn}):")
     for mode in ("infer", "train"):
         for model in AUTHORS_DIRS:
