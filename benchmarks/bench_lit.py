@@ -36,7 +36,13 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import ProcessRunner, alternate, describe_machine, results_table  # noqa: E402
+from harness import (  # noqa: E402
+    ProcessRunner,
+    add_authors_malloc_flag,
+    alternate,
+    describe_machine,
+    results_table,
+)
 
 from lgvit.measure import time_fn  # noqa: E402
 
@@ -186,12 +192,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="batch 2, one round")
     ap.add_argument("--authors-repo", help="a checkout of ziplab/LIT: time against their code")
     ap.add_argument("--timm-src", help="folder with timm 0.3.2's `timm` package")
-    ap.add_argument(
-        "--authors-tuned-malloc",
-        action="store_true",
-        help="give the authors' process lgvit's allocator tuning too (ours has it: create_model "
-        "applies it; theirs runs by default as their scripts do)",
-    )
+    add_authors_malloc_flag(ap)
     ap.add_argument("--authors-dcn", choices=("torchvision", "lgvit"), default="torchvision")
     ap.add_argument("--json")
     args = ap.parse_args()

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import (  # noqa: E402
     ProcessRunner,
+    add_authors_malloc_flag,
     alternate,
     describe_machine,
     results_table,
@@ -52,12 +53,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--authors-repo")
     ap.add_argument("--timm-src", help="folder with timm 0.3.2's `timm` package")
-    ap.add_argument(
-        "--authors-tuned-malloc",
-        action="store_true",
-        help="give the authors' process lgvit's allocator tuning too (ours has it: create_model "
-        "applies it; theirs runs by default as their scripts do)",
-    )
+    add_authors_malloc_flag(ap)
     ap.add_argument("--quick", action="store_true", help="batch 2, one round, inference only")
     ap.add_argument("--json")
     args = ap.parse_args()

@@ -217,6 +217,17 @@ class ProcessRunner:
         return rss
 
 
+def add_authors_malloc_flag(ap: Any) -> None:
+    """``--authors-tuned-malloc`` on an argparse parser: ours runs with the allocator as
+    ``create_model`` leaves it (tuned), the authors' code by default as their scripts run."""
+    ap.add_argument(
+        "--authors-tuned-malloc",
+        action="store_true",
+        help="give the authors' process lgvit's allocator tuning too (ours has it: create_model "
+        "applies it; theirs runs by default as their scripts do)",
+    )
+
+
 def build_lgvit(name: str) -> nn.Module:
     import lgvit
 
