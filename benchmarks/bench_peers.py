@@ -10,7 +10,7 @@ are added where the CPU has native bf16 (AVX-512 bf16 or AMX), or with ``--bf16`
 ``--no-tune`` leaves glibc's allocator as a user's script would find it (lgvit's CLI tunes it:
 ``lgvit.runtime.tune_cpu_allocator``).
 
-Both are built with the same stochastic depth, the papers' recipe (lgvit's default: DeiT 0.1,
+Both are built with the same stochastic depth, lgvit's default (the papers' recipe: DeiT 0.1,
 Swin-T 0.2; timm's defaults are 0 and 0.1), so a training step does the same work on both sides.
 
 Exact counterparts (same architecture, parameter count and timm weights load into ours):
@@ -39,18 +39,18 @@ PEERS = {
 }
 
 
-DROP_PATH = {"deit_tiny": 0.1, "deit_small": 0.1, "swin_tiny": 0.2}  # the papers' recipes
+def build_pair(name: str) -> dict[str, torch.nn.Module]:
+    """lgvit's model with its defaults, and timm's with the same stochastic depth (lgvit's
+    defaults are the papers' recipes: DeiT 0.1, Swin-T 0.2; timm's are 0 and 0.1)."""
+    import timm
 
-
-def build(impl: str, name: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if impl == "timm":
-        import timm
-
-        return timm.create_model(PEERS[name], drop_path_rate=DROP_PATH[name])
     import lgvit
 
-    return lgvit.create_model(name, drop_path_rate=DROP_PATH[name])
+    torch.manual_seed(0)
+    ours = lgvit.create_model(name)
+    torch.manual_seed(0)
+    theirs = timm.create_model(PEERS[name], drop_path_rate=max(drop_path_rates(ours)))
+    return {"lgvit": ours, "timm": theirs}
 
 
 def drop_path_rates(model: torch.nn.Module) -> list[float]:
@@ -81,7 +81,7 @@ def main() -> None:
     machine = describe_machine()
     print(machine, "| allocator", "untuned" if args.no_tune else "tuned", flush=True)
     impls = ("lgvit", "timm")
-    models = {(impl, m): build(impl, m) for m in args.models for impl in impls}
+    models = {(impl, m): model for m in args.models for impl, model in build_pair(m).items()}
     for m in args.models:  # same architecture: same parameter count
         n = {impl: sum(p.numel() for p in models[impl, m].parameters()) for impl in impls}
         assert n["lgvit"] == n["timm"], (m, n)

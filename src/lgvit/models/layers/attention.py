@@ -60,8 +60,8 @@ def multihead_sdpa(
         attn_mask is not None and (cpu or torch.compiler.is_exporting())
     ):
         # bf16 on the CPU: the fused kernel's backward is slow (see _explicit_attention), and
-        # without AMX its forward too (AMD EPYC avx512_bf16, batch 32 inference: DeiT-T 95.5
-        # -> 106.7 img/s, LocalViT-T 85.3 -> 93.0; with AMX the fused forward was level with
+        # without AMX its forward too (AMD EPYC avx512_bf16, batch 32 inference: DeiT-T 91.6
+        # -> 104.8 img/s, LocalViT-T 72.0 -> 81.5; with AMX the fused forward was level with
         # explicit timm 0.3.2: DeiT-T 195 vs 189 img/s). fp32: fused (DeiT-T 60.6 vs 58.5).
         # With a mask on the CPU the fused call often falls back to torch's math kernel, whose
         # safe softmax scans every row for full masking (aten::all + where: 62 of 1381 ms of a
@@ -70,7 +70,8 @@ def multihead_sdpa(
         # Exporting with a mask: the fused CPU kernel's output layout makes the ONNX
         # exporter's decomposition record a view its own graph cannot take.
         if attn_mask is not None and torch.is_grad_enabled():
-            attn_mask = attn_mask.to(q.dtype)  # training: bf16 logits (Swin-T 10.3 vs 10.1 img/s)
+            # training: bf16 logits (Swin-T bf16 step 10.3 img/s, with float32 logits 10.1)
+            attn_mask = attn_mask.to(q.dtype)
         x = _explicit_attention(q, k, v, attn_mask, dropout_p, scale)
     else:
         if attn_mask is not None:
