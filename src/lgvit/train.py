@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -153,7 +154,7 @@ class ClassificationTask:
 
     # Keys that define what a run trains: a resume may not change them.
     identity_keys: tuple[str, ...] = (
-        "model", "data", "img_size", "patch_size", "window_size", "num_classes",
+        "task", "model", "data", "img_size", "patch_size", "window_size", "num_classes",
     )  # fmt: skip
     best_metric: str = "acc1"
     cfg: TrainConfig | None = None  # set by prepare(), with the run's size and class count
@@ -239,12 +240,34 @@ class ClassificationTask:
 def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
     """Run (or resume) a run of ``cfg.task`` as configured; returns the last epoch's metrics.
     See :func:`lgvit.engine.run` for resuming and the run directory."""
-    if cfg.task == "segmentation":
+    task = resumed_task(cfg)
+    if task == "segmentation":
         from lgvit.segment import SegmentationTask
 
         return run(cfg, SegmentationTask(), explicit)
-    if cfg.task == "detection":
+    if task == "detection":
         from lgvit.detect import DetectionTask
 
         return run(cfg, DetectionTask(), explicit)
     return run(cfg, ClassificationTask(), explicit)
+
+
+def resumed_task(cfg: TrainConfig) -> str:
+    """The task of the run ``cfg.resume`` continues, from its checkpoint's metadata (dense
+    checkpoints name theirs; none is classification), else ``cfg.task``: ``lgvit train --out
+    RUN --resume auto`` alone must resume any task's run, and the command line's default task
+    is classification. A task given explicitly that differs is refused by the task's
+    ``identity_keys``; a missing or broken checkpoint is left to the engine to report."""
+    from lgvit.checkpoint import checkpoint_paths, load_metadata
+    from lgvit.config import TASKS
+
+    if not cfg.resume:
+        return cfg.task
+    stem = Path(cfg.out) / "last" if cfg.resume == "auto" else Path(cfg.resume)
+    if stem.is_dir():
+        stem = stem / "last"
+    try:
+        task = load_metadata(checkpoint_paths(stem)[0]).get("task", "classification")
+    except LgvitError:
+        return cfg.task
+    return task if task in TASKS else cfg.task
