@@ -77,3 +77,140 @@ def test_sigterm_then_resume_auto_with_only_out_matches_an_uninterrupted_run(
         assert [m[key] for m in a] == [m[key] for m in b], key
     wa, wb = load_weights(full / "last"), load_weights(cut / "last")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # Item 6: a resume may not change the input size (it once accepted a new det/seg_scale)
+    # nor the task; refused before anything is read or written.
+    scale = "seg_scale=[80,60]" if task == "segmentation" else "det_scale=[64,48]"
+    before = (cut / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    for change, key in ((["--set", scale], scale.split("=")[0]), (["--task", "classification"],
+                                                                   "task")):  # fmt: skip
+        code = main(["train", "--out", str(cut), "--resume", "auto", *change])
+        one_line(capsys, code, f"the run trained with {key}=", "--initial-checkpoint")
+    assert (cut / "metrics.jsonl").read_bytes() == before
+
+
+# ------------------------------------------------------- item 9: an evaluation that raises
+
+
+def test_an_evaluation_that_raises_keeps_the_epoch_and_a_resume_evaluates_it(
+    tmp_path, monkeypatch, capsys
+):
+    """The epoch's ``last`` checkpoint is written before its evaluation (it once came after,
+    so an evaluation that raised lost the epoch); resuming evaluates that epoch and the run
+    ends with the metrics, history and weights of an uninterrupted run."""
+    from test_train import FAST
+
+    from lgvit.checkpoint import load_checkpoint_pair, load_weights
+    from lgvit.train import ClassificationTask
+
+    # 512 images at batch 128: 4 steps an epoch.
+    base = ["train", *FAST, "--data", "synthetic", "--epochs", "2", "--batch-size", "128",
+            "--amp", "none"]  # fmt: skip
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert main([*base, "--out", str(full)]) == 0
+    real, calls = ClassificationTask.evaluate, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:  # epoch 1's evaluation
+            raise RuntimeError("out of memory in evaluation")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ClassificationTask, "evaluate", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        main([*base, "--out", str(cut)])
+    _, state = load_checkpoint_pair(cut / "last")
+    assert state["epoch"] == 0 and state["extra"]["pending_eval"]["epoch"] == 0
+    assert not (cut / "metrics.jsonl").exists()  # the epoch is recorded once evaluated
+    monkeypatch.setattr(ClassificationTask, "evaluate", real)
+    capsys.readouterr()
+    assert main(["train", "--out", str(cut), "--resume", "auto"]) == 0
+    assert "epoch 1/2, evaluated on resuming: test top-1" in capsys.readouterr().out
+    a, b = history(full), history(cut)
+    for key in ("epoch", "train_loss", "lr", "test_acc1", "test_acc5", "test_loss"):
+        assert [m[key] for m in a] == [m[key] for m in b], key
+    assert load_checkpoint_pair(cut / "last")[1]["extra"]["history"] == b
+    wa, wb = load_weights(full / "last"), load_weights(cut / "last")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# ------------------------------------------- tiny dense checkpoints (random weights, no run)
+
+SEG_META = {
+    "task": "segmentation", "model": "lsa_micro_cifar", "img_size": "32", "num_classes": "3",
+    "classes": json.dumps(["background", "disc", "square"]), "dataset": "segfolder",
+    "mean": "[0.5, 0.5, 0.5]", "std": "[0.25, 0.25, 0.25]", "seg_scale": "[64, 48]",
+}  # fmt: skip
+DET_META = {
+    "task": "detection", "detector": "retinanet", "model": "lsa_micro_cifar", "img_size": "32",
+    "num_classes": "2", "classes": '["disc", "square"]', "cat_ids": "[3, 7]", "dataset": "coco",
+    "det_scale": "[48, 32]",
+}  # fmt: skip
+
+
+def dense_checkpoint(path: Path, task: str, edit=None, **meta: str) -> Path:
+    """A segmentation or detection checkpoint of lsa_micro_cifar as the tasks write them;
+    ``meta`` replaces metadata values, ``edit(weights)`` changes the weights."""
+    from lgvit.atomic import atomic_save_safetensors
+
+    torch.manual_seed(0)
+    if task == "segmentation":
+        from lgvit.dense.semfpn import create_segmenter
+
+        model = create_segmenter("lsa_micro_cifar", 3, img_size=32)
+        base = SEG_META
+    else:
+        from lgvit.dense.detection import create_detector
+
+        model = create_detector("retinanet", "lsa_micro_cifar", 2, min_size=32, max_size=48,
+                                img_size=32)  # fmt: skip
+        base = DET_META
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    if edit is not None:
+        edit(weights)
+    atomic_save_safetensors(weights, path, {**base, **meta})
+    return path
+
+
+def _as_int32(weights: dict) -> None:
+    key = next(k for k, v in weights.items() if v.is_floating_point() and v.dim() > 1)
+    weights[key] = (weights[key] * 0).to(torch.int32) + 3  # all 3, where floats belong
+
+
+# ------------------------------------------------- item 5: integer weights in dense loaders
+
+
+@pytest.mark.parametrize("task", ["segmentation", "detection"])
+def test_integer_weights_in_a_dense_checkpoint_are_refused(task, seg_root, coco_root, tmp_path,
+                                                           capsys):  # fmt: skip
+    """Float weights stored as int32 were cast silently by the dense loaders (eval, predict
+    and --initial-checkpoint ran on, with other numbers); classification refused them."""
+    from lgvit.errors import LgvitError
+
+    ckpt = dense_checkpoint(tmp_path / "int.safetensors", task, edit=_as_int32)
+    data = ["--data", "segfolder", "--data-dir", str(seg_root)] if task == "segmentation" else \
+        ["--data", "coco", "--data-dir", str(coco_root)]  # fmt: skip
+    image = next((seg_root / "images" / "validation").iterdir())
+    for cmd in (
+        ["eval", "--checkpoint", str(ckpt), *data, "-j", "0"],
+        ["predict", "--checkpoint", str(ckpt), str(image), "--out", str(tmp_path / "p")],
+    ):
+        one_line(capsys, main(cmd), str(ckpt), "is int32, not floating point")
+    assert not (tmp_path / "p").exists() or not any((tmp_path / "p").iterdir())
+    if task == "segmentation":
+        from lgvit.dense.semfpn import create_segmenter
+        from lgvit.segment import SegmentationTask
+
+        model, t = create_segmenter("lsa_micro_cifar", 3, img_size=32), SegmentationTask()
+    else:
+        from lgvit.dense.detection import create_detector
+        from lgvit.detect import DetectionTask
+
+        model = create_detector("retinanet", "lsa_micro_cifar", 2, min_size=32, max_size=48,
+                                img_size=32)  # fmt: skip
+        t = DetectionTask()
+    from lgvit.config import TrainConfig
+
+    t.cfg = TrainConfig(task=task, model="lsa_micro_cifar", data=data[1])
+    with pytest.raises(LgvitError, match="is int32, not floating point"):
+        t.load_initial(model, str(ckpt))

@@ -658,7 +658,9 @@ def check_finite_weights(model: nn.Module, path: str | Path) -> None:
 
 def load_into(model: nn.Module, weights: dict[str, Tensor], source: str, what: str) -> None:
     """``model.load_state_dict(weights)`` (strict); a misfit is one line: ``source`` (the file,
-    or the flag and the file) does not fit ``what``, and the first key that does not."""
+    or the flag and the file) does not fit ``what``, and the first key that does not. Integer
+    values for float weights are refused too (load_state_dict would cast them silently)."""
+    check_weight_dtypes(weights, model.state_dict(), source)
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:

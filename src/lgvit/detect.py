@@ -59,7 +59,10 @@ def detection_loss(losses: dict[str, torch.Tensor]) -> torch.Tensor:
 class DetectionTask:
     """Object detection / instance segmentation (:class:`lgvit.engine.Task`)."""
 
-    identity_keys: tuple[str, ...] = ("task", "detector", "model", "data", "num_classes")
+    # det_scale and img_size set the input size (and LIT-S's bias tables): a resume keeps them.
+    identity_keys: tuple[str, ...] = (
+        "task", "detector", "model", "data", "num_classes", "img_size", "det_scale",
+    )  # fmt: skip
     best_metric: str = "bbox_AP"
     cfg: TrainConfig | None = None
     val: Any = None

@@ -38,10 +38,25 @@ from lgvit.checkpoint import (
 )
 from lgvit.config import TrainConfig, config_from_dict, config_to_dict, save_config, scaled_lr
 from lgvit.errors import LgvitError
-from lgvit.optim import ModelEma, build_optimizer, lr_at, run_epochs, total_steps, warmup_steps
+from lgvit.optim import (
+    ModelEma,
+    build_optimizer,
+    lr_at,
+    run_epochs,
+    total_steps,
+    warmup_steps,
+    warn_long_warmup,
+)
 from lgvit.preempt import RunControl
 from lgvit.progress import RunClock, StepProgress, format_duration, on_terminal
-from lgvit.rundir import RunLock, check_mid_epoch_batch, check_resumable, remove_stale_temps
+from lgvit.rundir import (
+    RunLock,
+    RunLog,
+    check_mid_epoch_batch,
+    check_resumable,
+    check_resume_keys,
+    remove_stale_temps,
+)
 from lgvit.runtime import Dist, all_reduce_sum, barrier, resolve_amp, seed_everything
 
 # --------------------------------------------------------------------------------- the task
@@ -128,23 +143,6 @@ def skips_on_device(
 def unwrap(model: nn.Module) -> nn.Module:
     model = getattr(model, "_orig_mod", model)  # torch.compile
     return getattr(model, "module", model)  # DDP
-
-
-class RunLog:
-    """Rank 0 prints and appends to ``<out>/train.log``; other ranks stay quiet."""
-
-    def __init__(self, out: Path, main: bool) -> None:
-        self.main = main
-        self.path = out / "train.log"
-
-    def __call__(self, msg: str, console: bool = True) -> None:
-        if not self.main:
-            return
-        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        if console:
-            print(line, flush=True)
-        with open(self.path, "a") as f:
-            f.write(line + "\n")
 
 
 # --------------------------------------------------------------------------------- one epoch
@@ -329,21 +327,6 @@ def _find_resume(cfg: TrainConfig) -> Path | None:
     return stem
 
 
-def _check_resume(
-    saved: TrainConfig, cfg: TrainConfig, explicit: Any, stem: Path, keys: tuple[str, ...]
-) -> None:
-    """A resume that would change the model, the data or the input size: one line, nothing
-    written (the checkpoint's shapes would not fit, or the run would silently change)."""
-    for key in keys:
-        if key in explicit and getattr(cfg, key) != getattr(saved, key):
-            was, now = getattr(saved, key), getattr(cfg, key)
-            raise LgvitError(
-                f"--resume {stem}: the run trained with {key}={was!r}, not {now!r}; continue "
-                f"it without changing {key}, or start a new run (another --out) from its "
-                f"weights with --initial-checkpoint {stem}"
-            )
-
-
 @dataclass
 class Run:
     """One training run's live state; :func:`run` builds it, the loop advances it."""
@@ -371,14 +354,20 @@ class Run:
     def epochs(self) -> int:
         return run_epochs(self.cfg, len(self.prepared.train_loader))
 
-    def save(self, epoch: int, step: int, is_best: bool, mid: EpochProgress | None = None) -> None:
+    def save(
+        self, epoch: int, step: int, is_best: bool, mid: EpochProgress | None = None,
+        pending: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
         """Atomic checkpoints by rank 0 (``last``, and ``best``); every rank's RNG state (and,
         mid-epoch, augmentation stream) is gathered so resume is exact. A failed write is one
-        line (:func:`~lgvit.checkpoint.save_error`), and the previous checkpoint stays."""
+        line (:func:`~lgvit.checkpoint.save_error`), and the previous checkpoint stays.
+        ``pending``: the epoch's training metrics, saved before its evaluation."""
         extra: dict[str, Any] = {"history": self.history}
         if mid is not None:
             extra["mid_epoch"] = {"batch": mid.batch, "loss_sum": mid.loss_sum,
                                   "images": mid.images}  # fmt: skip
+        if pending is not None:
+            extra["pending_eval"] = pending
         try:
             self._write(epoch, step, is_best, extra)
         except LgvitError:
@@ -466,7 +455,7 @@ def _resumed_config(
                          f"its own weights in {stem} (drop one of the two)")  # fmt: skip
     weights, state = load_checkpoint_pair(stem, repair=d.main)
     saved = config_from_dict(state["config"], source=f"{stem}")
-    _check_resume(saved, cfg, explicit, stem, task.identity_keys)
+    check_resume_keys(saved, cfg, explicit, stem, task.identity_keys)
     asked = cfg.batch_size if "batch_size" in explicit else None
     check_mid_epoch_batch(state, asked, stem, d.world_size)
     now = config_to_dict(cfg)
@@ -495,25 +484,12 @@ def _optimisation(
     return Optimisation(optimizer, scaler, ema, schedule)
 
 
-def _warn_warmup(cfg: TrainConfig, opt: Optimisation) -> None:
-    sch = opt.schedule
-    if sch["warmup_steps"] > 0 and sch["warmup_steps"] >= sch["total_steps"]:
-        final = lr_at(opt.schedule["total_steps"] - 1, **opt.schedule)
-        run_is = f"the {cfg.iters}-iteration budget" if cfg.iters else f"epochs {cfg.epochs}"
-        key = "warmup_iters" if cfg.warmup_iters is not None else "warmup_epochs"
-        warnings.warn(
-            f"{key} {getattr(cfg, key):g} >= {run_is}: the learning rate "
-            f"rises for the whole run and ends at {final:.3g}, below its peak "
-            f"{opt.schedule['base_lr']:.3g} (lower --set {key}=...)",
-            stacklevel=3,
-        )
-
-
 @dataclass
 class _Position:
     epoch: int = 0
     step: int = 0
     in_epoch: EpochProgress | None = None
+    pending: dict[str, Any] | None = None  # the last epoch's metrics, its evaluation not done
 
 
 def _restore(run: Run, state: dict[str, Any], stem: Path) -> _Position:
@@ -532,6 +508,7 @@ def _restore(run: Run, state: dict[str, Any], stem: Path) -> _Position:
     if len(rngs) == d.world_size:  # same process count: continue every rank's random stream
         restore_rng_state(rngs[d.rank])
     run.history = list(extra.get("history", []))
+    pos.pending = extra.get("pending_eval")
     mid = extra.get("mid_epoch")
     if mid is not None:  # saved inside an epoch: continue that epoch at the next batch
         pos.epoch = state["epoch"]
@@ -592,7 +569,7 @@ def _start(
         log(note)
     opt = _optimisation(cfg, task, prepared, d, amp)
     if stem is None:
-        _warn_warmup(cfg, opt)
+        warn_long_warmup(cfg, opt.schedule)
     net = _wrap(model, cfg, d)
     spe = len(prepared.train_loader)
     clock_start = state["global_step"] if state is not None else 0
@@ -650,14 +627,14 @@ def _epoch(run: Run, epoch: int, pos: _Position, t_start: float) -> bool:
         **run.task.epoch_info(epoch),
     }
     evaluated = last or (epoch + 1) % cfg.eval_every == 0
+    saving = last or ctl.signum or (epoch + 1) % cfg.save_every == 0
+    if evaluated and saving:  # saved before it is evaluated: a failing evaluation keeps it
+        run.save(epoch, pos.step, False, pending=metrics)
     is_best, tested = _evaluate(run, metrics) if evaluated else (False, "")
     metrics["epoch_time_s"] = round(time.time() - t0, 3)
-    run.history.append(metrics)
-    if run.d.main:
-        with open(out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+    _record(run, metrics)
     timed_out = bool(cfg.time_limit_min and (time.time() - t_start) / 60 > cfg.time_limit_min)
-    if last or timed_out or ctl.signum or (epoch + 1) % cfg.save_every == 0 or is_best:
+    if saving or timed_out or is_best:
         run.save(epoch, pos.step, is_best)
         ctl.last_save = time.perf_counter()
     eta = f", run ETA {format_duration(run.clock.eta(pos.step) or 0)}" if not last else ""
@@ -675,11 +652,31 @@ def _epoch(run: Run, epoch: int, pos: _Position, t_start: float) -> bool:
     return timed_out
 
 
+def _record(run: Run, metrics: dict[str, Any]) -> None:
+    run.history.append(metrics)
+    if run.d.main:
+        with open(run.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+
+
+def _evaluate_pending(run: Run, pos: _Position) -> None:
+    """Resuming a checkpoint saved before its epoch's evaluation, which never finished (it
+    raised, or the run was killed): evaluate that epoch now, record and save it."""
+    t0, metrics, epoch = time.time(), dict(pos.pending or {}), pos.epoch - 1
+    is_best, tested = _evaluate(run, metrics)
+    metrics["epoch_time_s"] = round(time.time() - t0, 3)  # the evaluation's time alone
+    _record(run, metrics)
+    run.save(epoch, pos.step, is_best)
+    run.log(f"epoch {epoch + 1}/{run.epochs}, evaluated on resuming: {tested}")
+
+
 def _run(
     cfg: TrainConfig, task: Task, explicit: Any, d: Dist, out: Path, lock: RunLock,
     ctl: RunControl,
 ) -> dict[str, Any]:  # fmt: skip
     run, pos = _start(cfg, task, explicit, d, out, lock, ctl)
+    if pos.pending is not None:
+        _evaluate_pending(run, pos)
     t_start = time.time()
     if pos.epoch >= run.epochs:  # resuming a finished run: say so
         run.log(f"{out}: the run is finished (epoch {pos.epoch} of {run.epochs}); nothing to do")

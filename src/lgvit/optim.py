@@ -4,6 +4,7 @@ and the EMA of the weights."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -59,6 +60,21 @@ def lr_at(
     if cfg.sched == "poly":  # mmcv's PolyLrUpdaterHook (per iteration)
         return cfg.min_lr + (base_lr - cfg.min_lr) * (1.0 - min(t, 1.0)) ** cfg.poly_power
     return cfg.min_lr + 0.5 * (base_lr - cfg.min_lr) * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def warn_long_warmup(cfg: TrainConfig, schedule: dict[str, Any]) -> None:
+    """A warm-up as long as the run never reaches the peak lr: a warning (a short test run of
+    a long recipe, most likely) rather than a silently different schedule."""
+    if schedule["warmup_steps"] > 0 and schedule["warmup_steps"] >= schedule["total_steps"]:
+        final = lr_at(schedule["total_steps"] - 1, **schedule)
+        run_is = f"the {cfg.iters}-iteration budget" if cfg.iters else f"epochs {cfg.epochs}"
+        key = "warmup_iters" if cfg.warmup_iters is not None else "warmup_epochs"
+        warnings.warn(
+            f"{key} {getattr(cfg, key):g} >= {run_is}: the learning rate "
+            f"rises for the whole run and ends at {final:.3g}, below its peak "
+            f"{schedule['base_lr']:.3g} (lower --set {key}=...)",
+            stacklevel=3,
+        )
 
 
 class Lamb(torch.optim.Optimizer):

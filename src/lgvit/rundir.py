@@ -16,6 +16,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 from lgvit.errors import LgvitError
 
@@ -141,3 +142,36 @@ def check_mid_epoch_batch(
             f"{mid.get('batch')} of {saved} images; resume it with --batch-size {saved} (the "
             "batch size may change at an epoch boundary, from a checkpoint saved after an epoch)"
         )
+
+
+def check_resume_keys(
+    saved: Any, cfg: Any, explicit: Any, stem: Path, keys: tuple[str, ...]
+) -> None:
+    """A resume that would change the model, the data or the input size (a task's
+    ``identity_keys``): one line, nothing written (the checkpoint's shapes would not fit, or
+    the run would silently change)."""
+    for key in keys:
+        if key in explicit and getattr(cfg, key) != getattr(saved, key):
+            was, now = getattr(saved, key), getattr(cfg, key)
+            raise LgvitError(
+                f"--resume {stem}: the run trained with {key}={was!r}, not {now!r}; continue "
+                f"it without changing {key}, or start a new run (another --out) from its "
+                f"weights with --initial-checkpoint {stem}"
+            )
+
+
+class RunLog:
+    """Rank 0 prints and appends to ``<out>/train.log``; other ranks stay quiet."""
+
+    def __init__(self, out: Path, main: bool) -> None:
+        self.main = main
+        self.path = out / "train.log"
+
+    def __call__(self, msg: str, console: bool = True) -> None:
+        if not self.main:
+            return
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        if console:
+            print(line, flush=True)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")

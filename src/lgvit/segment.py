@@ -66,7 +66,10 @@ def build_segmenter(cfg: TrainConfig, num_classes: int, d: Dist) -> tuple[nn.Mod
 class SegmentationTask:
     """Semantic segmentation (:class:`lgvit.engine.Task`)."""
 
-    identity_keys: tuple[str, ...] = ("task", "model", "data", "img_size", "num_classes")
+    # seg_scale sets the training and evaluation input size: a resume keeps it.
+    identity_keys: tuple[str, ...] = (
+        "task", "model", "data", "img_size", "num_classes", "seg_scale",
+    )  # fmt: skip
     best_metric: str = "mIoU"
     cfg: TrainConfig | None = None
     num_classes: int = 0
