@@ -214,3 +214,48 @@ def test_integer_weights_in_a_dense_checkpoint_are_refused(task, seg_root, coco_
     t.cfg = TrainConfig(task=task, model="lsa_micro_cifar", data=data[1])
     with pytest.raises(LgvitError, match="is int32, not floating point"):
         t.load_initial(model, str(ckpt))
+
+
+# --------------------------------------------------- item 2: predict never overwrites itself
+
+
+def _same_stem_images(root: Path) -> list[str]:
+    """``a/x.png``, ``a/x.jpg``, ``b/x.png``, three different pictures; ``b/X.png`` too."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    paths = [root / "a" / "x.png", root / "a" / "x.jpg", root / "b" / "x.png", root / "b" / "X.png"]
+    for i, p in enumerate(paths):
+        p.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (40 + 3 * i, 52, 3), np.uint8)).save(p)
+    return [str(root / "a"), str(paths[2]), str(paths[3])]
+
+
+@pytest.mark.parametrize("task", ["segmentation", "detection"])
+def test_predict_writes_one_set_of_files_per_input(task, tmp_path, capsys):
+    """Inputs sharing a file name (``a/x.png``, ``a/x.jpg``, ``b/x.png``) once all wrote
+    ``x_mask.png``: the last one survived while the report listed three images. Each now
+    gets its own files, and the report lists exactly the files written."""
+    from lgvit.inference import output_stems
+
+    assert output_stems(["a/x.png", "a/x.jpg", "b/x.png", "b/X.png", "y.png"]) == [
+        "x_png", "x_jpg", "x_png_2", "X_png_3", "y"
+    ]  # fmt: skip
+    ckpt = dense_checkpoint(tmp_path / "m.safetensors", task)
+    out = tmp_path / "P"
+    args = _same_stem_images(tmp_path / "in")
+    assert main(["predict", "--checkpoint", str(ckpt), *args, "--out", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    keys = ("mask", "overlay") if task == "segmentation" else ("drawn", "json")
+    listed = [r[k] for r in report for k in keys]
+    assert len(report) == 4 and len(set(listed)) == 8
+    assert sorted(listed) == sorted(str(p) for p in out.iterdir())
+    assert [r["image"] for r in report] == [
+        str(tmp_path / "in" / n) for n in ("a/x.jpg", "a/x.png", "b/x.png", "b/X.png")
+    ]
+    if task == "segmentation":  # each mask is its own image's (their heights differ)
+        from PIL import Image
+
+        for r in report:
+            assert Image.open(r["mask"]).size == Image.open(r["image"]).size

@@ -73,11 +73,17 @@ def predict_detection(args: argparse.Namespace) -> int:
     """Per image, in ``--out``: ``NAME_det.png`` (boxes with class names and scores, masks
     tinted, those scoring at least ``--score-thr``) and ``NAME_det.json`` (every detection: box
     ``[x1, y1, x2, y2]`` in pixels, class name, COCO category id, score; also printed with
-    ``--json``)."""
+    ``--json``), NAME distinct per input (:func:`~lgvit.inference.output_stems`)."""
     from lgvit.atomic import atomic_write_bytes
     from lgvit.dense.coco_eval import detect, load_detector
     from lgvit.dense.evaluate import palette
-    from lgvit.inference import expand_images, output_dir, read_images, report_predictions
+    from lgvit.inference import (
+        expand_images,
+        output_dir,
+        output_stems,
+        read_images,
+        report_predictions,
+    )
     from lgvit.segment_cli import save_png
 
     if not args.out:
@@ -89,16 +95,17 @@ def predict_detection(args: argparse.Namespace) -> int:
     out = output_dir(args.out)
     results: list[dict] = []
     failed: list[str] = []
-    for path, img in read_images(images, failed):
-        (det,) = detect(model, [img])
-        dets = _detections(det, info)
-        png = out / f"{Path(path).stem}_det.png"
-        drawn = _draw(img, det, dets, colours[(det["labels"] - info["label_offset"]).numpy()],
-                      args.score_thr)  # fmt: skip
-        save_png(drawn, png)
-        result = {"image": path, "drawn": str(png), "detections": dets}
-        atomic_write_bytes(png.with_suffix(".json"), json.dumps(result, indent=1).encode())
-        results.append(result)
+    # One name per input: a.png, a.jpg and b/a.png once all wrote a_det.png, the last kept.
+    for path, stem in zip(images, output_stems(images), strict=True):
+        for _, img in read_images([path], failed):
+            (det,) = detect(model, [img])
+            dets = _detections(det, info)
+            png, js = out / f"{stem}_det.png", out / f"{stem}_det.json"
+            labels = (det["labels"] - info["label_offset"]).numpy()
+            save_png(_draw(img, det, dets, colours[labels], args.score_thr), png)
+            result = {"image": path, "drawn": str(png), "json": str(js), "detections": dets}
+            atomic_write_bytes(js, json.dumps(result, indent=1).encode())
+            results.append(result)
 
     def line(r: dict[str, Any]) -> str:
         shown = [d for d in r["detections"] if d["score"] >= args.score_thr]

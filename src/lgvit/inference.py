@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -182,6 +183,29 @@ def output_dir(path: str) -> Path:
     except OSError as e:
         raise LgvitError(f"--out {out}: cannot create it ({e.strerror})") from None
     return out
+
+
+def output_stems(paths: Sequence[str]) -> list[str]:
+    """A distinct name per input for the files ``predict --out`` writes: the file's stem where
+    no other input has it, else the stem and its suffix (``x.png``, ``x.jpg``: ``x_png``,
+    ``x_jpg``), then a count in input order (``a/x.png``, ``b/x.png``: ``x_png``,
+    ``x_png_2``). Compared case-blind: a case-insensitive disk holds one of ``X`` and ``x``."""
+    stems = [Path(p).stem for p in paths]
+    seen = Counter(s.casefold() for s in stems)
+    names: list[str | None] = [s if seen[s.casefold()] == 1 else None for s in stems]
+    taken = {n.casefold() for n in names if n is not None}
+    for i, path in enumerate(paths):
+        if names[i] is not None:
+            continue
+        suffix = Path(path).suffix.lstrip(".").lower()
+        base = f"{stems[i]}_{suffix}" if suffix else stems[i]
+        name, k = base, 1
+        while name.casefold() in taken:
+            k += 1
+            name = f"{base}_{k}"
+        taken.add(name.casefold())
+        names[i] = name
+    return [n for n in names if n is not None]
 
 
 def read_images(paths: Sequence[str], failed: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -59,11 +59,18 @@ def eval_segmentation(args: argparse.Namespace) -> int:
 
 def predict_segmentation(args: argparse.Namespace) -> int:
     """Per image: ``NAME_mask.png`` (class indices, 8-bit) and ``NAME_overlay.png`` (the
-    image with the classes' colours at 50%), in ``--out``; a JSON line per image with the
-    classes found and their share of the pixels."""
+    image with the classes' colours at 50%), in ``--out``, NAME distinct per input
+    (:func:`~lgvit.inference.output_stems`); a JSON line per image with the files written,
+    the classes found and their share of the pixels."""
     from lgvit.data.segmentation import eval_sample
     from lgvit.dense.evaluate import load_segmenter, palette, predict_logits
-    from lgvit.inference import expand_images, output_dir, read_images, report_predictions
+    from lgvit.inference import (
+        expand_images,
+        output_dir,
+        output_stems,
+        read_images,
+        report_predictions,
+    )
 
     if not args.out:
         raise LgvitError("segmentation predict writes PNGs: pass --out DIR")
@@ -74,22 +81,25 @@ def predict_segmentation(args: argparse.Namespace) -> int:
     out = output_dir(args.out)
     results: list[dict] = []
     failed: list[str] = []
-    for path, img in read_images(images, failed):
-        x = eval_sample(img, info["scale"])[None]
-        logits = predict_logits(model, x, tuple(img.shape[-2:]), info["mean"], info["std"])
-        pred = logits.argmax(1)[0].to(torch.uint8).cpu().numpy()
-        stem = Path(path).stem
-        save_png(Image.fromarray(pred), out / f"{stem}_mask.png")
-        overlay = (0.5 * img.permute(1, 2, 0).numpy() + 0.5 * colours[pred]).astype(np.uint8)
-        save_png(Image.fromarray(overlay), out / f"{stem}_overlay.png")
-        counts = np.bincount(pred.ravel(), minlength=len(colours))
-        share = {info["classes"][c]: round(float(counts[c] / pred.size), 4)
-                 for c in np.argsort(-counts) if counts[c]}  # fmt: skip
-        results.append({"image": path, "mask": str(out / f"{stem}_mask.png"), "classes": share})
+    # One name per input: a.png, a.jpg and b/a.png once all wrote a_mask.png, the last kept.
+    for path, stem in zip(images, output_stems(images), strict=True):
+        for _, img in read_images([path], failed):
+            x = eval_sample(img, info["scale"])[None]
+            logits = predict_logits(model, x, tuple(img.shape[-2:]), info["mean"], info["std"])
+            pred = logits.argmax(1)[0].to(torch.uint8).cpu().numpy()
+            mask, over = out / f"{stem}_mask.png", out / f"{stem}_overlay.png"
+            save_png(Image.fromarray(pred), mask)
+            overlay = 0.5 * img.permute(1, 2, 0).numpy() + 0.5 * colours[pred]
+            save_png(Image.fromarray(overlay.astype(np.uint8)), over)
+            counts = np.bincount(pred.ravel(), minlength=len(colours))
+            share = {info["classes"][c]: round(float(counts[c] / pred.size), 4)
+                     for c in np.argsort(-counts) if counts[c]}  # fmt: skip
+            results.append({"image": path, "mask": str(mask), "overlay": str(over),
+                            "classes": share})  # fmt: skip
 
     def line(r: dict) -> str:
         top = ", ".join(f"{k} {100 * v:.1f}%" for k, v in list(r["classes"].items())[:5])
-        return f"{r['image']}: {r['mask']} ({top})"
+        return f"{r['image']}: {r['mask']}, {r['overlay']} ({top})"
 
     return report_predictions(results, failed, args.json, line)
 
