@@ -148,23 +148,27 @@ DET_META = {
 }  # fmt: skip
 
 
-def dense_checkpoint(path: Path, task: str, edit=None, **meta: str) -> Path:
-    """A segmentation or detection checkpoint of lsa_micro_cifar as the tasks write them;
-    ``meta`` replaces metadata values, ``edit(weights)`` changes the weights."""
+def dense_checkpoint(path: Path, task: str, edit=None, extra: int = 0, **meta: str) -> Path:
+    """A segmentation or detection checkpoint of lsa_micro_cifar as the tasks write them
+    (``extra`` classes more than the fixtures' data); ``meta`` replaces metadata values,
+    ``edit(weights)`` changes the weights."""
     from lgvit.atomic import atomic_save_safetensors
 
     torch.manual_seed(0)
     if task == "segmentation":
         from lgvit.dense.semfpn import create_segmenter
 
-        model = create_segmenter("lsa_micro_cifar", 3, img_size=32)
-        base = SEG_META
+        model = create_segmenter("lsa_micro_cifar", 3 + extra, img_size=32)
+        names = ["background", "disc", "square"] + [f"more{i}" for i in range(extra)]
+        base = {**SEG_META, "classes": json.dumps(names), "num_classes": str(len(names))}
     else:
         from lgvit.dense.detection import create_detector
 
-        model = create_detector("retinanet", "lsa_micro_cifar", 2, min_size=32, max_size=48,
-                                img_size=32)  # fmt: skip
-        base = DET_META
+        model = create_detector("retinanet", "lsa_micro_cifar", 2 + extra, min_size=32,
+                                max_size=48, img_size=32)  # fmt: skip
+        names = ["disc", "square"] + [f"more{i}" for i in range(extra)]
+        base = {**DET_META, "classes": json.dumps(names), "num_classes": str(len(names)),
+                "cat_ids": json.dumps([3, 7] + [10 + i for i in range(extra)])}  # fmt: skip
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     if edit is not None:
         edit(weights)
@@ -259,3 +263,171 @@ def test_predict_writes_one_set_of_files_per_input(task, tmp_path, capsys):
 
         for r in report:
             assert Image.open(r["mask"]).size == Image.open(r["image"]).size
+
+
+# ------------------------------------ item 7: flags a dense eval cannot honour, flip TTA
+
+
+def test_flags_dense_eval_cannot_honour_are_one_line(seg_root, coco_root, tmp_path, capsys):
+    """``--predictions`` on a segmentation checkpoint wrote nothing and ``--tta`` changed
+    nothing for detection (or segmentation's flip-translate), silently; ``eval_tta`` in a
+    detection training config likewise."""
+    from lgvit.config import TrainConfig, validate_config
+    from lgvit.errors import LgvitError
+
+    seg = dense_checkpoint(tmp_path / "seg.safetensors", "segmentation")
+    det = dense_checkpoint(tmp_path / "det.safetensors", "detection")
+    seg_data = ["--data", "segfolder", "--data-dir", str(seg_root), "-j", "0"]
+    csv = tmp_path / "p.csv"
+    code = main(["eval", "--checkpoint", str(seg), *seg_data, "--predictions", str(csv)])
+    one_line(capsys, code, f"--predictions {csv}", "lgvit predict --checkpoint")
+    code = main(["eval", "--checkpoint", str(seg), *seg_data, "--tta", "flip-translate"])
+    one_line(capsys, code, "--tta flip-translate", "--tta flip")
+    code = main(["eval", "--checkpoint", str(det), "--data", "coco", "--data-dir",
+                 str(coco_root), "-j", "0", "--tta", "flip"])  # fmt: skip
+    one_line(capsys, code, "--tta flip: detection eval has no test-time augmentation")
+    assert not csv.exists()
+    for task, data, tta in (("detection", "coco", "flip"),
+                            ("segmentation", "segfolder", "flip-translate")):  # fmt: skip
+        with pytest.raises(LgvitError, match=f"eval_tta='{tta}'.*task={task}"):
+            validate_config(TrainConfig(task=task, data=data, eval_tta=tta))
+
+
+def test_segmentation_flip_tta_is_the_mean_softmax_of_the_image_and_its_mirror(
+    seg_root, tmp_path, capsys
+):
+    """``lgvit eval --tta flip`` on a segmenter: mmseg's flip test, recomputed here by hand
+    (softmax of each view at the mask's size, the mirror's flipped back, averaged)."""
+    import torch.nn.functional as F
+
+    from lgvit.data.segmentation import SegEvalLoader, load_seg_split
+    from lgvit.dense.evaluate import SegMetrics, load_segmenter, normalise
+
+    ckpt = dense_checkpoint(tmp_path / "seg.safetensors", "segmentation")
+    data = ["--data", "segfolder", "--data-dir", str(seg_root), "-j", "0", "--amp", "none"]
+    res = {}
+    for tta in ("none", "flip"):
+        assert main(["eval", "--checkpoint", str(ckpt), *data, "--tta", tta, "--json"]) == 0
+        res[tta] = json.loads(capsys.readouterr().out)
+    model = load_segmenter(str(ckpt), "cpu")
+    info = model.seg_info
+    loader = SegEvalLoader(load_seg_split("segfolder", seg_root, "val"), info["scale"],
+                           workers=0)  # fmt: skip
+    by_hand = {"none": SegMetrics(3), "flip": SegMetrics(3)}
+    changed = 0
+    with torch.no_grad():
+        for image, mask in loader:
+            views = []
+            for x in (image, image.flip(-1)):
+                logits = model(normalise(x, info["mean"], info["std"]))
+                views.append(F.interpolate(logits, size=mask.shape[-2:], mode="bilinear",
+                                           align_corners=False))  # fmt: skip
+            plain = views[0].argmax(1)
+            flip = ((views[0].softmax(1) + views[1].flip(-1).softmax(1)) / 2).argmax(1)
+            by_hand["none"].update(plain, mask)
+            by_hand["flip"].update(flip, mask)
+            changed += int((plain != flip).sum())
+    assert changed > 0  # the flip test changes predictions here, so the comparison means it
+    for tta in ("none", "flip"):
+        want = by_hand[tta].result()
+        assert res[tta]["tta"] == tta
+        assert res[tta]["mIoU"] == pytest.approx(want["mIoU"], abs=1e-9)
+        assert res[tta]["per_class_iou"] == want["per_class_iou"]
+
+
+# ------------------------- item 10: class counts, dense sizes and checkpoint metadata
+
+
+@pytest.mark.parametrize("task", ["segmentation", "detection"])
+def test_any_classes_with_another_class_count_is_one_line(task, seg_root, coco_root,
+                                                          tmp_path, capsys):  # fmt: skip
+    """``--any-classes`` allows other names, not another count: a checkpoint with one class
+    more than the data once ended in a zip(strict) ValueError or an IndexError."""
+    ckpt = dense_checkpoint(tmp_path / "more.safetensors", task, extra=1)
+    data = ["--data", "segfolder", "--data-dir", str(seg_root)] if task == "segmentation" else \
+        ["--data", "coco", "--data-dir", str(coco_root)]  # fmt: skip
+    code = main(["eval", "--checkpoint", str(ckpt), *data, "-j", "0", "--any-classes"])
+    one_line(capsys, code, str(ckpt), "has 3 " if task == "detection" else "has 4 classes",
+             "--any-classes allows other")  # fmt: skip
+
+
+@pytest.mark.parametrize("key", ["det_scale", "seg_scale"])
+def test_dense_scales_have_an_upper_bound(key, tmp_path, capsys):
+    """[100000, 100000] passed the 64 px size probe, then asked for 96 GB."""
+    code = main(["train", "--task", "detection", "--data", "coco", "--data-dir",
+                 str(tmp_path / "none"), "--out", str(tmp_path / "run"), "--set",
+                 f"{key}=[100000,100000]"])  # fmt: skip
+    one_line(capsys, code, f"{key}=(100000, 100000)", "two sizes in [1, 8192] pixels")
+    assert not (tmp_path / "run").exists()
+
+
+BAD_META = [
+    ("segmentation", "classes", '"background,disc,square"'),
+    ("segmentation", "classes", "[]"),
+    ("segmentation", "seg_scale", "[64]"),
+    ("segmentation", "seg_scale", '[64, "48"]'),
+    ("segmentation", "mean", "[0.5, 0.5]"),
+    ("segmentation", "std", "[0.25, 0.25, 0.25, 0.25]"),
+    ("segmentation", "img_size", "32.5"),
+    ("detection", "cat_ids", "[3]"),
+    ("detection", "cat_ids", "[3, 3]"),
+    ("detection", "cat_ids", '"3, 7"'),
+    ("detection", "classes", "[1, 2]"),
+    ("detection", "det_scale", "[48]"),
+    ("detection", "det_scale", "[100000, 100000]"),
+]
+
+
+@pytest.mark.parametrize(("task", "key", "value"), BAD_META)
+def test_malformed_dense_metadata_is_one_line_naming_the_key(task, key, value, tmp_path,
+                                                             capsys):  # fmt: skip
+    """A hand-edited or foreign header: a value of the wrong type or length was an
+    IndexError, a TypeError, a RuntimeError, or silently broadcast."""
+    ckpt = dense_checkpoint(tmp_path / "bad.safetensors", task, **{key: value})
+    image = _same_stem_images(tmp_path / "in")[1]
+    code = main(["predict", "--checkpoint", str(ckpt), image, "--out", str(tmp_path / "P")])
+    one_line(capsys, code, str(ckpt), f"metadata {key}=")
+
+
+# ------------------------------------------- item 11: export and viz of a dense checkpoint
+
+
+@pytest.mark.parametrize("task", ["segmentation", "detection"])
+def test_export_and_viz_of_a_dense_checkpoint_say_what_it_is(task, tmp_path, capsys):
+    ckpt = dense_checkpoint(tmp_path / "m.safetensors", task)
+    image = _same_stem_images(tmp_path / "in")[1]
+    what = "Semantic FPN" if task == "segmentation" else "retinanet"
+    for cmd in (
+        ["export", str(ckpt), "--format", "onnx", "--out", str(tmp_path / "m.onnx")],
+        ["viz", str(ckpt), image, "--what", "attention", "--out", str(tmp_path / "v")],
+    ):
+        one_line(capsys, main(cmd), f"is a {task} checkpoint ({what} on lsa_micro_cifar)",
+                 "export and viz take classification checkpoints")  # fmt: skip
+    assert not (tmp_path / "m.onnx").exists()
+
+
+# ------------------------------------------ item 12: --predictions checked before evaluating
+
+
+def test_predictions_path_is_checked_before_the_evaluation(coco_root, tmp_path, capsys,
+                                                           monkeypatch):  # fmt: skip
+    """A folder (or a path under a file) as ``--predictions`` failed only after the whole
+    evaluation, naming a temp file; classification and detection both check it first."""
+    import lgvit.dense.coco_eval
+    import lgvit.evaluate
+
+    def never(*a, **k):
+        raise AssertionError("evaluated before the --predictions path was checked")
+
+    monkeypatch.setattr(lgvit.evaluate, "evaluate", never)
+    monkeypatch.setattr(lgvit.dense.coco_eval, "evaluate_detection", never)
+    det = dense_checkpoint(tmp_path / "det.safetensors", "detection")
+    (tmp_path / "afile").write_text("x")
+    for bad, needle in ((tmp_path, "a directory"), (tmp_path / "afile" / "p.json",
+                                                    "is not a directory")):  # fmt: skip
+        code = main(["eval", "--checkpoint", str(det), "--data", "coco", "--data-dir",
+                     str(coco_root), "-j", "0", "--predictions", str(bad)])  # fmt: skip
+        one_line(capsys, code, f"--predictions {bad}", needle)
+        code = main(["eval", "--checkpoint", "lsa_micro_cifar_missing", "--data", "synthetic",
+                     "--predictions", str(bad)])  # fmt: skip
+        one_line(capsys, code, f"--predictions {bad}", needle)

@@ -19,6 +19,8 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from lgvit.errors import LgvitError
+
 __all__ = [
     "atomic_save",
     "atomic_save_safetensors",
@@ -26,6 +28,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "check_metadata",
+    "check_writable",
     "commit",
     "fsync_dir",
     "safetensors_ready",
@@ -68,6 +71,23 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def check_writable(path: str | Path, what: str) -> Path:
+    """Before long work whose result goes to ``path`` (``what``: the flag): a directory there,
+    an ancestor that is a file, or a folder that cannot be written is one line now, not a
+    failure after the work naming a temp file. Missing folders are fine: writes create them."""
+    p = Path(path)
+    if p.is_dir():
+        raise LgvitError(f"{what} {p}: a directory; name the file to write")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise LgvitError(f"{what} {p}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise LgvitError(f"{what} {p}: {parent} is not writable")
+    return p
 
 
 def write_temp(path: Path, write: Callable[[Path], None]) -> Path:

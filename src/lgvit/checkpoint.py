@@ -53,6 +53,7 @@ from lgvit.atomic import (
     write_temp,
     writing_to,
 )
+from lgvit.constants import MAX_DENSE_SCALE
 from lgvit.errors import LgvitError, error_lines, first_line, last_line
 from lgvit.safe_pickle import Inert, refused_pickle_error, torch_load_data_only
 
@@ -65,6 +66,7 @@ __all__ = [
     "atomic_write_bytes",
     "build_train_state",
     "capture_rng_state",
+    "check_dense_metadata",
     "check_finite_weights",
     "check_model_metadata",
     "check_weight_dtypes",
@@ -425,6 +427,32 @@ def check_model_metadata(meta: Mapping[str, str], path: str | Path) -> dict[str,
     if meta.get("crop_pct"):
         _meta_json(meta, "crop_pct", path, "a number in (0, 1]",
                    lambda v: is_number(v) and 0 < v <= 1)  # fmt: skip
+    return dict(meta)
+
+
+def check_dense_metadata(meta: Mapping[str, str], path: str | Path) -> dict[str, str]:
+    """A segmentation or detection checkpoint's metadata, checked as a classifier's is, and
+    ``classes`` (names, at least one), ``cat_ids`` (as many distinct ids), ``seg_scale`` /
+    ``det_scale`` (two sizes up to ``MAX_DENSE_SCALE``): a wrong type or length was an
+    IndexError, a TypeError, a 96 GB allocation or a silent broadcast later."""
+    check_model_metadata(meta, path)
+    classes = json.loads(meta["classes"]) if "classes" in meta else None
+    if classes is not None and not classes:
+        raise LgvitError(f"{path}: metadata classes=[] names no class")
+    if "cat_ids" in meta:
+        n = len(classes) if classes is not None else None
+
+        def ids(v: Any) -> bool:  # distinct positive ints, one per class
+            ok = isinstance(v, list) and all(map(is_size, v)) and len(set(v)) == len(v)
+            return ok and (n is None or len(v) == n)
+
+        _meta_json(meta, "cat_ids", path, f"a JSON list of {n or 'the'} distinct category ids",
+                   ids)  # fmt: skip
+    for key in ("seg_scale", "det_scale"):
+        if key in meta:
+            _meta_json(meta, key, path, f"two sizes (pixels, at most {MAX_DENSE_SCALE})",
+                       lambda v: isinstance(v, list) and len(v) == 2
+                       and all(is_size(x) and x <= MAX_DENSE_SCALE for x in v))  # fmt: skip
     return dict(meta)
 
 

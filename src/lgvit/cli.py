@@ -174,6 +174,10 @@ TIMM_FLAGS: dict[str, tuple[str, Any, str]] = {
 
 def cmd_eval(args: argparse.Namespace) -> int:
     task = _dense_task(args)
+    if args.predictions and task != "segmentation":  # checked before the whole evaluation runs
+        from lgvit.atomic import check_writable
+
+        check_writable(args.predictions, "--predictions")
     if task == "segmentation":
         from lgvit.segment_cli import eval_segmentation
 
@@ -513,7 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ImageNet-ReaL's real.json: also report ReaL top-1/top-5")  # fmt: skip
     p.add_argument("--predictions", metavar="FILE",
                    help="write a CSV: image, label, top-5 classes and probabilities "
-                   "(detection: the detections in COCO's results format, JSON)")  # fmt: skip
+                   "(detection: the detections in COCO's results format, JSON; segmentation: "
+                   "none, `lgvit predict --out` writes masks)")  # fmt: skip
     p.add_argument("--detector", choices=DETECTORS,
                    help="the detector of an mmdet .pth (the authors'; with --model)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=128)
@@ -527,7 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(TTA_MODES),
         default="none",
         help="flip: average the logits of each image and its mirror image; flip-translate: "
-        "also of the two one-pixel shifts and their mirror images (six views)",
+        "also of the two one-pixel shifts and their mirror images (six views); segmentation: "
+        "flip only (mmseg's flip test, mean softmax); detection: none",
     )
     p.add_argument(
         "--any-classes",

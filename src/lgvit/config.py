@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from lgvit.atomic import atomic_write_bytes
-from lgvit.constants import CROP_PCT
+from lgvit.constants import CROP_PCT, MAX_DENSE_SCALE
 from lgvit.data.coco import COCO_DATASETS
 from lgvit.data.datasets import DATASETS
 from lgvit.data.segmentation import SEG_DATASETS
@@ -468,8 +468,13 @@ def _validate_task(cfg: TrainConfig, fail: Any) -> None:
         fail("data", f"task={cfg.task} trains on {', '.join(trains_on)}")
     if cfg.detector not in DETECTORS:
         fail("detector", f"must be one of {', '.join(DETECTORS)}")
-    if min(cfg.det_scale) < 1:
-        fail("det_scale", "must be two sizes >= 1")
+    for key in ("det_scale", "seg_scale"):
+        if not 1 <= min(getattr(cfg, key)) <= max(getattr(cfg, key)) <= MAX_DENSE_SCALE:
+            fail(key, f"must be two sizes in [1, {MAX_DENSE_SCALE}] pixels")
+    if cfg.task == "detection" and cfg.eval_tta != "none":  # refused, not silently ignored
+        fail("eval_tta", "task=detection has no test-time augmentation")
+    if cfg.task == "segmentation" and cfg.eval_tta == "flip-translate":
+        fail("eval_tta", "task=segmentation takes flip (mmseg's flip test) or none")
     if cfg.warmup_iters is not None and cfg.warmup_iters < 0:
         fail("warmup_iters", "must be >= 0")
     m = cfg.decay_milestones
@@ -483,8 +488,6 @@ def _validate_task(cfg: TrainConfig, fail: Any) -> None:
         fail("cat_max_ratio", "must be in [0, 1]")
     if not 0 < cfg.seg_ratio_range[0] <= cfg.seg_ratio_range[1]:
         fail("seg_ratio_range", "must be two ratios, 0 < low <= high")
-    if min(cfg.seg_scale) < 1:
-        fail("seg_scale", "must be two sizes >= 1")
 
 
 def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) -> None:

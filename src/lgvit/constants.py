@@ -11,6 +11,11 @@ CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 # Eval: resize to size / CROP_PCT, then centre-crop size (the DeiT/timm default).
 CROP_PCT = 0.875
 
+# The largest side of det_scale / seg_scale (config and dense checkpoints): twice the largest a
+# recipe here reaches (mmseg's 2048 at ratio 2.0). The size probe runs at 64 px: [100000,
+# 100000] passed it, then asked for 96 GB.
+MAX_DENSE_SCALE = 8192
+
 IMAGE_EXTENSIONS = (
     ".jpg",
     ".jpeg",

@@ -24,9 +24,18 @@ def eval_detection(args: argparse.Namespace) -> int:
 
     if args.data not in COCO_DATASETS:
         raise LgvitError(f"{args.checkpoint} is a detector; evaluate it on --data coco")
+    if args.tta != "none":  # mmdet's 1x configs test without augmentation; none is built here
+        raise LgvitError(f"--tta {args.tta}: detection eval has no test-time augmentation")
     model = load_detector(args.checkpoint, args.device, args.model, args.detector)
     info = model.det_info
     split = load_coco_split(args.data_dir, "val", args.cache_dir)
+    if len(split.cat_ids) != len(info["cat_ids"]):  # --any-classes too: label i is category i
+        raise LgvitError(
+            f"{args.checkpoint} has {len(info['cat_ids'])} categories but {split.ann_file} has "
+            f"{len(split.cat_ids)}; evaluate it on data with as many (--any-classes allows "
+            "other ids, not another count), or fine-tune it with lgvit train "
+            f"--initial-checkpoint {args.checkpoint}"
+        )
     if split.cat_ids != info["cat_ids"] and not args.any_classes:
         raise LgvitError(
             f"{args.checkpoint} was trained on {len(info['cat_ids'])} categories (ids "

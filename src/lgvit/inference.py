@@ -57,6 +57,15 @@ def load_model(
     except LgvitError:
         meta = {}  # a plain .pt/.pth state dict carries no metadata (or an unreadable file,
         # which create_model reports below)
+    task = meta.get("task")
+    if task in ("segmentation", "detection"):  # else "Missing key(s) pos_embed", unexplained
+        head = "Semantic FPN" if task == "segmentation" else meta.get("detector", "a detector")
+        what = f"{head} on {meta.get('model', '?')}"
+        raise LgvitError(
+            f"{checkpoint} is a {task} checkpoint ({what}), not a classification model: "
+            f"export and viz take classification checkpoints; `lgvit eval` and `lgvit "
+            f"predict` run {task} ones"
+        )
     name = model_name or meta.get("model")
     if not name:
         from lgvit.checkpoint import load_weights

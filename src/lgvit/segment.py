@@ -163,7 +163,7 @@ class SegmentationTask:
         self, model: nn.Module, loader: Any, d: Dist, amp: torch.dtype | None, desc: str
     ) -> dict[str, Any]:
         return evaluate_segmentation(model, loader, self.num_classes, d, amp, self.mean,
-                                     self.std, desc)  # fmt: skip
+                                     self.std, desc, flip=self.cfg.eval_tta == "flip")  # fmt: skip
 
     def summary(self, result: dict[str, Any]) -> str:
         parts = [f"{k} {result[k]:.2f}%" for k in ("mIoU", "mAcc", "aAcc") if k in result]

@@ -15,7 +15,7 @@ from lgvit.errors import LgvitError
 
 def eval_segmentation(args: argparse.Namespace) -> int:
     """mIoU, mAcc, aAcc and per-class IoU of a segmentation checkpoint on a split's whole
-    images (mmseg's single-scale ``whole`` inference)."""
+    images (mmseg's single-scale ``whole`` inference; ``--tta flip``: its flip test)."""
     from lgvit.data.segmentation import SEG_DATASETS, SegEvalLoader, load_seg_split
     from lgvit.dense.evaluate import evaluate_segmentation, load_segmenter
     from lgvit.runtime import Dist, resolve_amp
@@ -24,9 +24,26 @@ def eval_segmentation(args: argparse.Namespace) -> int:
         raise LgvitError(
             f"{args.checkpoint} is a segmentation model; evaluate it on {' or '.join(SEG_DATASETS)}"
         )
+    # Flags classification's eval honours and this one cannot: refused, not silently ignored.
+    if args.predictions:
+        raise LgvitError(
+            f"--predictions {args.predictions}: segmentation eval writes no predictions file; "
+            f"`lgvit predict --checkpoint {args.checkpoint} IMAGES --out DIR` writes each "
+            "image's mask"
+        )
+    if args.tta not in ("none", "flip"):
+        raise LgvitError(f"--tta {args.tta}: segmentation eval takes --tta flip (mmseg's flip "
+                         "test) or none")  # fmt: skip
     model = load_segmenter(args.checkpoint, args.device, args.model)
     info = model.seg_info
     split = load_seg_split(args.data, args.data_dir, "val", args.cache_dir)
+    if len(split.classes) != len(info["classes"]):  # --any-classes too: label i is class i
+        raise LgvitError(
+            f"{args.checkpoint} has {len(info['classes'])} classes but {args.data_dir} has "
+            f"{len(split.classes)}; evaluate it on data with as many classes (--any-classes "
+            "allows other names, not another count), or fine-tune it with lgvit train "
+            f"--initial-checkpoint {args.checkpoint}"
+        )
     if list(split.classes) != list(info["classes"]) and not args.any_classes:
         raise LgvitError(
             f"{args.checkpoint} was trained on {len(info['classes'])} classes "
@@ -39,14 +56,15 @@ def eval_segmentation(args: argparse.Namespace) -> int:
     amp = resolve_amp(args.amp, device)
     n = len(info["classes"])
     res = evaluate_segmentation(model, loader, n, Dist(device=device), amp, info["mean"],
-                                info["std"])  # fmt: skip
+                                info["std"], flip=args.tta == "flip")  # fmt: skip
     res.update(checkpoint=str(args.checkpoint), data=args.data, images=len(split),
-               classes=list(split.classes), scale=list(info["scale"]))  # fmt: skip
+               classes=list(split.classes), scale=list(info["scale"]), tta=args.tta)  # fmt: skip
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
     print(f"{args.checkpoint} on {args.data} ({res['count']} images, scale "
-          f"{info['scale'][0]}x{info['scale'][1]}, whole image)")  # fmt: skip
+          f"{info['scale'][0]}x{info['scale'][1]}, whole image"
+          f"{', flip test' if args.tta == 'flip' else ''})")  # fmt: skip
     if len(split.classes) <= 150:
         for name, iou, acc in zip(split.classes, res["per_class_iou"], res["per_class_acc"],
                                   strict=True):  # fmt: skip

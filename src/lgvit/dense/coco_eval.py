@@ -141,7 +141,13 @@ def load_detector(
     detector, backbone, classes and COCO category ids, sizes) or from the LIT authors' mmdet
     ``.pth`` (``model_name`` the backbone, ``detector`` retinanet or maskrcnn; COCO's 80
     classes). ``model.det_info``: ``classes``, ``cat_ids``, ``label_offset``."""
-    from lgvit.checkpoint import check_finite_weights, load_into, load_metadata, load_weights
+    from lgvit.checkpoint import (
+        check_dense_metadata,
+        check_finite_weights,
+        load_into,
+        load_metadata,
+        load_weights,
+    )
     from lgvit.data.coco import COCO_CAT_IDS, COCO_CLASSES
     from lgvit.dense.detection import create_detector
     from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
@@ -154,6 +160,7 @@ def load_detector(
     if meta and meta.get("task") != "detection":
         raise LgvitError(f"{checkpoint}: a {meta.get('task', 'classification')} checkpoint, "
                          "not a detection one")  # fmt: skip
+    check_dense_metadata(meta, checkpoint)  # a wrong type or length: one line, key named
     weights = load_weights(checkpoint)
     name, kind = model_name or meta.get("model"), detector or meta.get("detector")
     if not name or not kind:

@@ -80,11 +80,26 @@ def predict_logits(
     return F.interpolate(logits.float(), size=out_size, mode="bilinear", align_corners=False)
 
 
+def predict_scores(
+    model: nn.Module, image: torch.Tensor, out_size: tuple[int, int], mean: Any, std: Any,
+    amp: torch.dtype | None = None, flip: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """Class scores ``(B, C, *out_size)`` whose argmax is the prediction: the logits, or with
+    ``flip`` mmseg's flip test (its ``aug_test`` with ``flip=True``): the mean of the softmax
+    of the image and of its horizontal mirror image's, mirrored back."""
+    logits = predict_logits(model, image, out_size, mean, std, amp)
+    if not flip:
+        return logits
+    mirrored = predict_logits(model, image.flip(-1), out_size, mean, std, amp).flip(-1)
+    return (logits.softmax(1) + mirrored.softmax(1)) / 2
+
+
 def evaluate_segmentation(
     model: nn.Module, loader: Any, num_classes: int, d: Dist, amp: torch.dtype | None,
-    mean: Any, std: Any, desc: str = "eval",
+    mean: Any, std: Any, desc: str = "eval", flip: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """mIoU, mAcc, aAcc and per-class IoU/Acc (%) over the loader's whole images, all ranks."""
+    """mIoU, mAcc, aAcc and per-class IoU/Acc (%) over the loader's whole images, all ranks;
+    ``flip``: mmseg's flip test (:func:`predict_scores`)."""
     was_training = model.training
     model.eval()
     metrics = SegMetrics(num_classes, d.device)
@@ -92,8 +107,8 @@ def evaluate_segmentation(
     count = 0
     for image, mask in loader:
         mask = mask.to(d.device)
-        logits = predict_logits(model, image, tuple(mask.shape[-2:]), mean, std, amp)
-        metrics.update(logits.argmax(1), mask)
+        scores = predict_scores(model, image, tuple(mask.shape[-2:]), mean, std, amp, flip)
+        metrics.update(scores.argmax(1), mask)
         count += len(image)
         progress.update(len(image))
     progress.close()
@@ -120,7 +135,13 @@ def load_segmenter(
 
     ``model.seg_info`` holds what prediction needs: ``classes``, ``mean``, ``std``,
     ``scale``."""
-    from lgvit.checkpoint import check_finite_weights, load_into, load_metadata, load_weights
+    from lgvit.checkpoint import (
+        check_dense_metadata,
+        check_finite_weights,
+        load_into,
+        load_metadata,
+        load_weights,
+    )
     from lgvit.data.segmentation import ADE20K_CLASSES
     from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
     from lgvit.dense.semfpn import create_segmenter
@@ -136,6 +157,7 @@ def load_segmenter(
         raise LgvitError(f"{checkpoint}: no backbone name stored in it; pass --model NAME")
     if meta and not segmentation_metadata(meta):
         raise LgvitError(f"{checkpoint}: a classification checkpoint, not a segmentation one")
+    check_dense_metadata(meta, checkpoint)  # a wrong type or length: one line, key named
     try:
         classes = json.loads(meta["classes"]) if "classes" in meta else list(ADE20K_CLASSES)
         scale = json.loads(meta.get("seg_scale", "[2048, 512]"))
