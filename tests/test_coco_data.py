@@ -198,13 +198,13 @@ def test_read_sample_and_size_mismatch(tmp_path, root, train):
     assert target["boxes"].dtype == torch.float32 and target["labels"].dtype == torch.int64
     assert target["masks"].shape[1:] == img.shape[1:]
 
-    def wrong_size(data):
-        im = next(im for im in data["images"] if im["id"] == train.image_ids[0])
+    def wrong_size(data):  # image 1: image 0's crowd RLE would be refused as the wrong size
+        im = next(im for im in data["images"] if im["id"] == train.image_ids[1])
         im["height"] += 2
 
     split = load_coco_split(_variant(tmp_path, root, wrong_size), "train")
-    h, w = train.sizes[0]
-    _raises("says", lambda: read_detection_sample(split, 0), split.files[0].name,
+    h, w = train.sizes[1]
+    _raises("says", lambda: read_detection_sample(split, 1), split.files[1].name,
             f"{h}x{w}", f"{h + 2}x{w}")  # fmt: skip
 
 
@@ -293,14 +293,17 @@ def test_two_ranks_partition_global_batches_by_orientation(train):
 def test_unreadable_images_are_skipped(tmp_path, root):
     new = _variant(tmp_path, root, copy_images=True)
     split = load_coco_split(new, "train")
-    loader = DetTrainLoader(split, 4, seed=0, workers=0)
+    # 1 of the 16 images an epoch reads at batch 4: above the default max_bad_fraction (5%).
+    loader = DetTrainLoader(split, 4, seed=0, workers=0, max_bad_fraction=0.1)
     bad = loader.global_batches()[1][2]  # an image this epoch uses
     split.files[bad].write_bytes(b"not an image")
-    sizes = [len(images) for images, _ in loader]
+    with pytest.warns(UserWarning, match="skipped 1 training image"):
+        sizes = [len(images) for images, _ in loader]
     assert sorted(sizes)[0] == 3 and sum(sizes) == 4 * len(loader) - 1
     assert len(loader.skipped) == 1 and split.files[bad].name in loader.skipped[0]
-    loader = DetTrainLoader(split, 1, seed=0, workers=0)  # a batch of the bad image alone
-    assert len(_epoch(loader)) == len(loader) - 1 and len(loader.skipped) == 1
+    loader = DetTrainLoader(split, 1, seed=0, workers=0, max_bad_fraction=0.1)  # a batch alone
+    with pytest.warns(UserWarning, match="skipped 1 training image"):
+        assert len(_epoch(loader)) == len(loader) - 1 and len(loader.skipped) == 1
     _raises("fewer than one global batch", lambda: DetTrainLoader(split, 50, seed=0))
 
 

@@ -12,6 +12,7 @@ them to a multiple of 32 there.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,10 +67,11 @@ class DetectionTask:
     best_metric: str = "bbox_AP"
     cfg: TrainConfig | None = None
     val: Any = None
+    train_loader: Any = None
     label_offset: int = 0
 
     def prepare(self, cfg: TrainConfig, d: Dist) -> Prepared:
-        from lgvit.data.coco import DetEvalLoader, DetTrainLoader, load_coco_split
+        from lgvit.data.coco import DetEvalLoader, DetTrainLoader, load_coco_split, require_masks
 
         self.cfg = cfg
         if d.main:  # rank 0 first: an archive is extracted once
@@ -85,13 +87,19 @@ class DetectionTask:
         if self.val.cat_ids != train.cat_ids:
             raise LgvitError(f"{self.val.ann_file}: its categories differ from the training "
                              f"split's ({train.ann_file})")  # fmt: skip
-        model = build_detector(cfg, n)
-        self.label_offset = 1 if cfg.detector == "maskrcnn" else 0
         masks = cfg.detector == "maskrcnn"
+        if masks:  # before the model is built: a file without masks is one line, at once
+            require_masks(train)
+            require_masks(self.val)
+        model = build_detector(cfg, n)
+        self.label_offset = 1 if masks else 0
         train_loader = DetTrainLoader(train, cfg.batch_size, cfg.seed, d.rank, d.world_size,
                                       cfg.workers, with_masks=masks,
-                                      hflip=0.5 if cfg.hflip else 0.0)  # fmt: skip
-        test_loader = DetEvalLoader(self.val, d.rank, d.world_size, cfg.workers)
+                                      hflip=0.5 if cfg.hflip else 0.0,
+                                      max_bad_fraction=cfg.max_bad_fraction)  # fmt: skip
+        test_loader = DetEvalLoader(self.val, d.rank, d.world_size, cfg.workers,
+                                    max_bad_fraction=cfg.max_bad_fraction)  # fmt: skip
+        self.train_loader = train_loader
         params = sum(p.numel() for p in model.parameters()) / 1e6
         long, short = max(cfg.det_scale), min(cfg.det_scale)
         description = (
@@ -105,7 +113,10 @@ class DetectionTask:
             "classes": json.dumps(list(train.classes)), "cat_ids": json.dumps(train.cat_ids),
             "dataset": cfg.data, "det_scale": json.dumps([long, short]),
         }  # fmt: skip
-        return Prepared(model, train_loader, test_loader, meta, description)
+        notes = train_loader.notes + test_loader.notes
+        for note in notes if d.main else []:  # the log has them; stderr too, as any warning
+            warnings.warn(note, stacklevel=2)
+        return Prepared(model, train_loader, test_loader, meta, description, notes)
 
     def load_initial(self, model: nn.Module, path: str) -> str:
         """``--initial-checkpoint``: a detection checkpoint (lgvit's, or the authors' mmdet
@@ -162,15 +173,21 @@ class DetectionTask:
         from lgvit.dense.coco_eval import evaluate_detection
 
         masks = self.cfg.detector == "maskrcnn"
-        return evaluate_detection(model, loader, self.val, self.label_offset, d, amp, desc,
-                                  masks=masks)  # fmt: skip
+        result = evaluate_detection(model, loader, self.val, self.label_offset, d, amp, desc,
+                                    masks=masks)  # fmt: skip
+        if result["unreadable"] and d.main:
+            examples = "".join(f", e.g. {m}" for m in result.get("unreadable_examples", [])[:1])
+            warnings.warn(f"{desc}: {result['unreadable']} unreadable validation image(s) "
+                          f"counted as without detections{examples}", stacklevel=2)  # fmt: skip
+        return result
 
     def summary(self, result: dict[str, Any]) -> str:
         keys = ("bbox_AP", "bbox_AP50", "segm_AP")
         return " ".join(f"{k} {result[k]:.2f}" for k in keys if k in result)
 
     def epoch_info(self, epoch: int) -> dict[str, Any]:
-        return {}
+        # This process's share: the training images of the epoch that could not be used.
+        return {"skipped_images": len(self.train_loader.skipped)}
 
     def epoch_cost(self, epoch: int) -> float:
         return 1.0

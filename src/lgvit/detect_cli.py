@@ -18,7 +18,7 @@ def eval_detection(args: argparse.Namespace) -> int:
     pycocotools' COCOeval; ``--predictions F.json`` keeps the detections in COCO's results
     format (bbox in F.json, masks in F.segm.json) for anyone to rerun COCOeval on."""
     from lgvit.atomic import atomic_write_bytes
-    from lgvit.data.coco import COCO_DATASETS, DetEvalLoader, load_coco_split
+    from lgvit.data.coco import COCO_DATASETS, DetEvalLoader, load_coco_split, require_masks
     from lgvit.dense.coco_eval import STATS, evaluate_detection, load_detector
     from lgvit.runtime import Dist, resolve_amp
 
@@ -29,6 +29,8 @@ def eval_detection(args: argparse.Namespace) -> int:
     model = load_detector(args.checkpoint, args.device, args.model, args.detector)
     info = model.det_info
     split = load_coco_split(args.data_dir, "val", args.cache_dir)
+    if model.detector == "maskrcnn":  # COCOeval's segm reads every annotation's mask
+        require_masks(split)
     if len(split.cat_ids) != len(info["cat_ids"]):  # --any-classes too: label i is category i
         raise LgvitError(
             f"{args.checkpoint} has {len(info['cat_ids'])} categories but {split.ann_file} has "
@@ -64,7 +66,8 @@ def eval_detection(args: argparse.Namespace) -> int:
     print(f"{args.checkpoint} on {split.ann_file} ({res['count']} images, "
           f"{res['detections']} detections)")  # fmt: skip
     if res["unreadable"]:
-        print(f"  {res['unreadable']} unreadable image(s) counted as without detections")
+        print(f"  {res['unreadable']} unreadable image(s) counted as without detections"
+              + "".join(f"\n    {m}" for m in res.get("unreadable_examples", [])))  # fmt: skip
     for t in ("bbox", "segm"):
         if f"{t}_AP" in res:
             print(f"{t:4s}  " + "  ".join(f"{k} {res[f'{t}_{k}']:.1f}" for k in STATS))

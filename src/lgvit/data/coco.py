@@ -11,6 +11,18 @@ annotations mmdet would skip are skipped (ignored, empty, no overlap with the im
 become ``[x, y, x + w, y + h]`` and crowd boxes are kept apart (mmdet's ``gt_bboxes_ignore``).
 Training flips horizontally (0.5) and resizes nothing: torchvision's detector transform resizes
 and normalises on the device, so images stay uint8 here.
+
+An annotation file is checked once, when it is loaded (``_check``): every field's type and
+range, each error one line naming the file, the image or annotation id and the field. Ids are
+ints; an image's ``file_name`` a relative path inside the split's folder, no two images the
+same file; ``height``/``width`` positive ints (``480.0`` is refused, as every other integer
+field); a ``bbox`` 4 finite numbers, ``area`` a finite number; ``iscrowd`` 0 or 1, and a
+missing one is 0 (COCO's meaning of its absence), written into the parsed data so COCOeval
+reads it too; ``ignore``, where present, 0/1/true/false; a ``segmentation`` polygons of an
+even count of finite numbers, or an RLE of the image's size whose counts cover exactly its
+pixels (pycocotools would decode a shorter one into uninitialised memory). Bad images are
+counted and stop training above ``max_bad_fraction``, as classification's
+(:class:`DetTrainLoader`).
 """
 
 from __future__ import annotations
@@ -241,6 +253,8 @@ def _read_json(path: Path) -> dict[str, Any]:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise LgvitError(f"{path}: not JSON (line {e.lineno}, column {e.colno})") from None
+    except RecursionError:  # json's parser recurses per nesting level
+        raise LgvitError(f"{path}: JSON nested too deeply to read") from None
     except (UnicodeDecodeError, OSError) as e:
         raise LgvitError(f"{path}: not readable JSON ({type(e).__name__})") from None
     if not isinstance(data, dict):
@@ -251,15 +265,27 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+# Exact types (JSON's), not isinstance: a bool is an int to isinstance. Checked per field of
+# every annotation, so kept cheap.
 def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return type(x) in (int, float) and math.isfinite(x)
+
+
+def _int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _short(x: Any) -> str:
+    """A field's value in a message: its repr, cut (a message is one line)."""
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _ids(path: Path, items: list[Any], what: str, keys: tuple[str, ...]) -> set[int]:
     """The ids of ``images`` or ``categories``; each needs ``keys``, ids are unique ints."""
     ids: set[int] = set()
     for k, item in enumerate(items):
-        if not isinstance(item, dict) or not isinstance(item.get("id"), int):
+        if not isinstance(item, dict) or not _int(item.get("id")):
             raise LgvitError(f'{path}: {what}[{k}] has no integer "id"')
         missing = [key for key in keys if key not in item]
         if missing:
@@ -270,28 +296,163 @@ def _ids(path: Path, items: list[Any], what: str, keys: tuple[str, ...]) -> set[
     return ids
 
 
+def _check_file_name(where: str, name: Any) -> str:
+    """A relative path inside the split's image folder; returns it normalised (for duplicates)."""
+    if not isinstance(name, str) or not name.strip():
+        raise LgvitError(f"{where}: file_name {_short(name)} is not a non-empty string")
+    parts = name.replace("\\", "/").split("/")
+    if name[0] in "/\\" or os.path.splitdrive(name)[0] or ".." in parts or "\0" in name:
+        raise LgvitError(f"{where}: file_name {_short(name)} is not a path inside the image folder")
+    return os.path.normpath(name.replace("\\", "/"))
+
+
+def _check_images(path: Path, images: list[Any]) -> dict[int, tuple[int, int]]:
+    """Each image's (height, width): positive ints (COCO's; 480.0 is refused rather than
+    guessed at, as every other integer field), its file one of its own."""
+    _ids(path, images, "images", ("file_name", "height", "width"))
+    sizes: dict[int, tuple[int, int]] = {}
+    owner: dict[str, int] = {}
+    for img in images:
+        where = f"{path}: image id {img['id']}"
+        h, w = img["height"], img["width"]
+        if not (_int(h) and _int(w) and h > 0 and w > 0):
+            raise LgvitError(f"{where}: height/width {_short(h)}/{_short(w)} are not positive "
+                             "integers")  # fmt: skip
+        name = _check_file_name(where, img["file_name"])
+        if owner.setdefault(name, img["id"]) != img["id"]:
+            raise LgvitError(f"{where}: file_name {img['file_name']!r} is image id "
+                             f"{owner[name]}'s too")  # fmt: skip
+        sizes[img["id"]] = (h, w)
+    return sizes
+
+
+def _compressed_total(counts: str) -> int | None:
+    """The pixels a compressed RLE string covers, or None when it is not one. The format is
+    pycocotools': 6 bits a character from '0' (5 of value, 1 "more"), a number's last
+    character's 0x10 bit its sign, and each count after the third a difference to the count
+    two before. A count that does not fit would overrun or leave uninitialised pycocotools'
+    mask buffer, so it is checked here rather than left to the decoder."""
+    values: list[int] = []
+    x = k = 0
+    for ch in counts:
+        c = ord(ch) - 48
+        if not 0 <= c < 64:
+            return None
+        x |= (c & 0x1F) << (5 * k)
+        k += 1
+        if c & 0x20:
+            continue
+        if c & 0x10:
+            x -= 1 << (5 * k)
+        if len(values) > 2:
+            x += values[-2]
+        if x < 0:
+            return None
+        values.append(x)
+        x = k = 0
+    return None if k else sum(values)
+
+
+def _segmentation_problem(segm: Any, h: int, w: int) -> str | None:
+    """What is wrong with a ``segmentation``, or None: polygons (lists of an even count of
+    finite numbers) or an RLE of the image's size whose counts cover exactly h * w pixels
+    (pycocotools decodes a shorter one into uninitialised memory, different at each decode,
+    and writes past the mask for a longer one)."""
+    if isinstance(segm, list):
+        for j, poly in enumerate(segm):
+            try:  # sum() is the fast check: a string or a list inside fails, NaN/inf stay
+                finite = isinstance(poly, list) and math.isfinite(sum(poly))
+            except (TypeError, OverflowError):
+                finite = False
+            if not finite or len(poly) % 2:
+                return f"segmentation polygon {j} is not an even count of finite numbers"
+        return None
+    if not (isinstance(segm, dict) and "counts" in segm and "size" in segm):
+        return (f"segmentation {_short(segm)} is neither a list of polygons nor an RLE "
+                '{"counts", "size"}')  # fmt: skip
+    size, counts = segm["size"], segm["counts"]
+    if not (isinstance(size, list) and len(size) == 2 and all(map(_int, size))
+            and size == [h, w]):  # fmt: skip
+        return f"RLE size {_short(size)} is not the image's [{h}, {w}]"
+    if isinstance(counts, str):
+        total = _compressed_total(counts)
+        if total is None:
+            return f"RLE counts {_short(counts)} are not a compressed RLE"
+    elif isinstance(counts, list) and all(type(c) is int for c in counts):
+        if min(counts, default=0) < 0:
+            return "RLE counts hold a negative count"
+        total = sum(counts)
+    else:
+        return "RLE counts are neither a string nor a list of integers"
+    if total != h * w:
+        return f"RLE counts cover {total} pixels, the image has {h}x{w} = {h * w}"
+    return None
+
+
+def _annotation_problem(
+    ann: dict[str, Any], sizes: dict[int, tuple[int, int]], cat_ids: set[int]
+) -> str | None:
+    """What is wrong with one annotation, or None (its message is built only then: COCO's
+    train2017 has 860k annotations)."""
+    for key, known, what in (("image_id", sizes, "images"),
+                             ("category_id", cat_ids, "categories")):  # fmt: skip
+        if not _int(ann.get(key)) or ann[key] not in known:
+            return f"{key} {_short(ann.get(key))} is not in {what}"
+    box = ann.get("bbox")
+    if not (isinstance(box, list) and len(box) == 4 and all(type(v) in (int, float) for v in box)
+            and math.isfinite(sum(box))):  # fmt: skip
+        return f"bbox {_short(box)} is not 4 finite numbers [x, y, w, h]"
+    if not _number(ann.get("area")):
+        return f"area {_short(ann.get('area'))} is not a finite number"
+    # Absent means not a crowd (COCO's meaning); filled in so that COCOeval, which reads it
+    # with int(), sees it too. Anything but 0/1 is refused: "0" is a crowd in training (a
+    # non-empty string) and not one in COCOeval (int("0")).
+    crowd = ann.setdefault("iscrowd", 0)
+    if not (_int(crowd) and crowd in (0, 1)):
+        return f"iscrowd {_short(crowd)} is not 0 or 1"
+    if "ignore" in ann and not (ann["ignore"] in (0, 1) and isinstance(ann["ignore"], int)):
+        return f"ignore {_short(ann['ignore'])} is not 0, 1, true or false"
+    if "segmentation" in ann:
+        return _segmentation_problem(ann["segmentation"], *sizes[ann["image_id"]])
+    return None
+
+
 def _check(path: Path, data: dict[str, Any]) -> None:
-    """One pass over the file: every reference resolves, every box is 4 finite numbers."""
-    image_ids = _ids(path, data["images"], "images", ("file_name", "height", "width"))
-    for img in data["images"]:
-        if not (_number(img["height"]) and _number(img["width"])):
-            raise LgvitError(f"{path}: image id {img['id']}: height/width are not numbers")
+    """The one validation pass over a file, before anything reads it: every field's type and
+    range (images, categories, annotations: ids, references, boxes, areas, ``iscrowd``,
+    segmentations' structure), each error one line naming the file, the id and the field. A
+    missing ``iscrowd`` is set to 0 in ``data``."""
+    sizes = _check_images(path, data["images"])
     cat_ids = _ids(path, data["categories"], "categories", ("name",))
     if not cat_ids:
         raise LgvitError(f'{path}: "categories" is empty')
+    for cat in data["categories"]:
+        if not isinstance(cat["name"], str) or not cat["name"].strip():
+            raise LgvitError(f"{path}: category id {cat['id']}: name {_short(cat['name'])} is "
+                             "not a non-empty string")  # fmt: skip
+    seen: set[int] = set()
     for k, ann in enumerate(data["annotations"]):
-        if not isinstance(ann, dict) or not isinstance(ann.get("id"), int):
+        if not isinstance(ann, dict) or not _int(ann.get("id")):
             raise LgvitError(f'{path}: annotations[{k}] has no integer "id"')
-        where = f"{path}: annotation id {ann['id']}"
-        for key, known, what in (("image_id", image_ids, "images"),
-                                 ("category_id", cat_ids, "categories")):  # fmt: skip
-            if not isinstance(ann.get(key), int) or ann[key] not in known:
-                raise LgvitError(f"{where}: {key} {ann.get(key)!r} is not in {what}")
-        box = ann.get("bbox")
-        if not (isinstance(box, list) and len(box) == 4 and all(_number(v) for v in box)):
-            raise LgvitError(f"{where}: bbox {box!r} is not 4 finite numbers [x, y, w, h]")
-        if not _number(ann.get("area")):
-            raise LgvitError(f"{where}: area {ann.get('area')!r} is not a finite number")
+        if ann["id"] in seen:  # pycocotools indexes by id: COCOeval would score one twice
+            raise LgvitError(f"{path}: annotation id {ann['id']} appears twice")
+        seen.add(ann["id"])
+        problem = _annotation_problem(ann, sizes, cat_ids)
+        if problem:
+            image = ann.get("image_id")
+            image = f" (image id {image})" if _int(image) and image in sizes else ""
+            raise LgvitError(f"{path}: annotation id {ann['id']}{image}: {problem}")
+
+
+def require_masks(split: CocoSplit) -> None:
+    """Every annotation has a ``segmentation`` (Mask R-CNN trains on them, COCOeval's segm
+    reads every one); boxes-only files are fine for RetinaNet."""
+    for ann in split.coco.dataset["annotations"]:
+        if "segmentation" not in ann:
+            raise LgvitError(
+                f"{split.ann_file}: annotation id {ann['id']} (image id {ann['image_id']}) has "
+                'no "segmentation" (Mask R-CNN needs one for every annotation)'
+            )
 
 
 def _index(data: dict[str, Any]) -> Any:
@@ -474,6 +635,38 @@ class _TrainSet(torch.utils.data.Dataset):
         return img.contiguous(), {k: v.contiguous() for k, v in target.items()}
 
 
+def missing_files(
+    split: CocoSplit, max_bad_fraction: float, what: str = "training"
+) -> tuple[list[int], list[str]]:  # fmt: skip
+    """The images whose files are missing (one directory listing per folder, not a stat per
+    file: COCO's train2017 has 118k), and a line saying so when there are any. More than
+    ``max_bad_fraction`` of them, or all: one line, as classification's unreadable images."""
+    listed: dict[Path, set[str]] = {}
+    missing = []
+    for i, f in enumerate(split.files):
+        if f.parent not in listed:
+            try:
+                listed[f.parent] = set(os.listdir(f.parent))
+            except OSError:
+                listed[f.parent] = set()
+        if f.name not in listed[f.parent]:
+            missing.append(i)
+    if not missing:
+        return [], []
+    n, total = len(missing), len(split)
+    shown = ", ".join(str(split.files[i]) for i in missing[:3])
+    if n == total:
+        raise LgvitError(f"none of the {total} {what} images of {split.ann_file} exists, e.g. "
+                         f"{shown}")  # fmt: skip
+    if n / total > max_bad_fraction:
+        raise LgvitError(
+            f"{n} of the {total} {what} images of {split.ann_file} are missing ({n / total:.1%} "
+            f"> max_bad_fraction {max_bad_fraction:.1%}), e.g. {shown}"
+        )
+    note = f"{n} of the {total} {what} images are missing ({n / total:.1%}), e.g. {shown}"
+    return missing, [note]
+
+
 class DetTrainLoader(EpochLoader):
     """Batches ``(images: list of uint8 (3, H, W), targets: list of {"boxes", "labels"[,
     "masks"]})`` of one process's share, in the engine's loader contract: every sample depends
@@ -482,25 +675,36 @@ class DetTrainLoader(EpochLoader):
     Order (mmdet's GroupSampler idea): landscape (w > h) and other images are shuffled apart,
     cut into global batches of ``batch_size * world`` inside a group, and the batches shuffled;
     rank r takes its ``batch_size`` slice of each. A group's leftover images that do not fill a
-    global batch are dropped for the epoch (another draw next epoch). An unreadable image is
-    left out of its batch, its message kept in ``skipped``; a batch with none left is skipped.
+    global batch are dropped for the epoch (another draw next epoch).
+
+    Bad images are counted, reported and stop the run above ``max_bad_fraction``, as
+    classification's: missing files when the loader is made (left out; ``notes`` says so), an
+    image that cannot be used when it is read (undecodable, not the JSON's size, a mask that
+    does not decode) left out of its batch, its message kept in ``skipped`` (this epoch's), a
+    batch with none left skipped; more than ``max_bad_fraction`` of the images read so far
+    (of at least 100, as classification's streaming loader) or of the whole epoch, or every
+    image of it, is one line. An epoch that skipped some warns with the count.
     """
 
     def __init__(
         self, split: CocoSplit, batch_size: int, seed: int, rank: int = 0, world: int = 1,
         workers: int = 2, with_masks: bool = False, hflip: float = 0.5,
+        max_bad_fraction: float = 0.05,
     ) -> None:  # fmt: skip
         self.set = _TrainSet(split, seed, with_masks, hflip)
         self.batch_size, self.seed, self.rank, self.world = batch_size, seed, rank, world
-        self.workers = workers
-        wide = [i for i, (h, w) in enumerate(split.sizes) if w > h]
-        other = [i for i, (h, w) in enumerate(split.sizes) if w <= h]
+        self.workers, self.max_bad_fraction = workers, max_bad_fraction
+        missing, self.notes = missing_files(split, max_bad_fraction)
+        gone = set(missing)
+        kept = [(i, hw) for i, hw in enumerate(split.sizes) if i not in gone]
+        wide = [i for i, (h, w) in kept if w > h]
+        other = [i for i, (h, w) in kept if w <= h]
         self.groups = [g for g in (other, wide) if g]
         per = batch_size * world
         self.steps = sum(len(g) // per for g in self.groups)
         if self.steps == 0:
             raise LgvitError(
-                f"{len(split)} training images are fewer than one global batch of one "
+                f"{len(kept)} training images are fewer than one global batch of one "
                 f"orientation ({batch_size} x {world}); lower --batch-size"
             )
         self.epoch, self.start = 0, 0
@@ -519,6 +723,7 @@ class DetTrainLoader(EpochLoader):
     def __iter__(self) -> Iterator[tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]]:
         b, r = self.batch_size, self.rank
         batches = [gb[r * b : (r + 1) * b] for gb in self.global_batches()[self.start :]]
+        self.skipped, seen = [], 0
         for items in self._items(batches):
             good = []
             for item in items:
@@ -526,19 +731,50 @@ class DetTrainLoader(EpochLoader):
                     self.skipped.append(item)
                 else:
                     good.append(item)
+            seen += len(items)
+            self._check_bad(seen, end=False)
             if good:
                 yield [i[0] for i in good], [i[1] for i in good]
+        self._check_bad(seen, end=True)
+
+    def _check_bad(self, seen: int, end: bool) -> None:
+        """Stop (one line) above ``max_bad_fraction``: during the epoch once 100 images are
+        read (a few bad ones first must not stop a large set), at its end of all it read."""
+        bad = len(self.skipped)
+        if not bad:
+            return
+        epoch = f"epoch {self.epoch + 1}"
+        if bad > self.max_bad_fraction * (seen if end else max(seen, 100)) or (end and bad == seen):
+            raise LgvitError(
+                f"{bad} of the {seen} training images read in {epoch} could not be used "
+                f"(more than max_bad_fraction {self.max_bad_fraction:.1%}), e.g. "
+                f"{self.skipped[0]}"
+            )
+        if end:
+            warnings.warn(
+                f"{epoch}: skipped {bad} training image(s) of {seen} that could not be used "
+                f"({bad / seen:.1%}), e.g. {self.skipped[0]}",
+                stacklevel=2,
+            )
 
 
 class DetEvalLoader:
     """One image at a time, whole: ``(image uint8 (3, H, W), image_id)``; process ``rank``
     takes every ``world``-th image. An unreadable image is ``(None, image_id)`` (its message
-    kept in ``skipped``): the caller counts it."""
+    kept in ``skipped``, the pass's): the caller counts it and names it. With
+    ``max_bad_fraction`` (a training run's), missing files are counted first, as the training
+    loader's, and ``notes`` says so (they stay in: COCOeval scores every image)."""
 
-    def __init__(self, split: CocoSplit, rank: int = 0, world: int = 1, workers: int = 2) -> None:
+    def __init__(
+        self, split: CocoSplit, rank: int = 0, world: int = 1, workers: int = 2,
+        max_bad_fraction: float | None = None,
+    ) -> None:  # fmt: skip
         self.split, self.rank, self.world, self.workers = split, rank, world, workers
         self.indices = list(range(rank, len(split), world))
         self.skipped: list[str] = []
+        self.notes: list[str] = []
+        if max_bad_fraction is not None:
+            self.notes = missing_files(split, max_bad_fraction, "validation")[1]
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -554,6 +790,7 @@ class DetEvalLoader:
             _Items(self._item, self.indices), batch_size=1, num_workers=self.workers,
             collate_fn=_keep, generator=own_generator(),
         )  # fmt: skip
+        self.skipped = []
         for items in loader:
             img, image_id = items[0]
             if isinstance(img, str):

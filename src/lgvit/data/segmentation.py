@@ -9,8 +9,8 @@ through)::
 
 A mask is a single-channel PNG of the image's size. ADE20K's label 0 ("other") is ignored and
 1..150 become 0..149 (mmseg's ``reduce_zero_label``); a ``segfolder`` mask holds 0..n-1 and 255
-for pixels to ignore. A mask of another size, or with a label beyond the classes, is one line
-naming the file.
+for pixels to ignore. A mask of another size, or with a label outside the classes (a negative
+one too), is one line naming the file. ``classes.txt`` is UTF-8 (a byte-order mark is dropped).
 
 Training (per image, deterministic in (seed, epoch, image), so a resumed run sees the same
 crops): rescale to ``scale`` (2048x512: the long side at most 2048 r, the short at most 512 r)
@@ -111,10 +111,19 @@ def _split_dir(parent: Path, split: str) -> Path:
 
 
 def read_class_list(path: Path) -> tuple[str, ...]:
-    """``classes.txt``: one class name per line (blank lines ignored), at most 255 classes."""
+    """``classes.txt``: one class name per line (blank lines ignored), at most 255 classes;
+    UTF-8, with or without a byte-order mark (an editor's BOM is not part of the first name)."""
     if not path.is_file():
         raise LgvitError(f"{path}: not found (segfolder needs one class name per line)")
-    names = tuple(line.strip() for line in path.read_text().splitlines() if line.strip())
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        at = e.start + (3 if raw.startswith(b"\xef\xbb\xbf") else 0)  # e.start is past a BOM
+        line = raw[:at].count(b"\n") + 1
+        raise LgvitError(f"{path}: not UTF-8 text (byte 0x{raw[at]:02x} at offset {at}, "
+                         f"line {line})") from None  # fmt: skip
+    names = tuple(line.strip() for line in text.splitlines() if line.strip())
     if not names or len(names) > IGNORE:
         raise LgvitError(f"{path}: {len(names)} class names; 1 to {IGNORE} are possible")
     if len(set(names)) != len(names):
@@ -173,11 +182,13 @@ def read_mask(
         )
     if reduce_zero:  # ADE20K: 0 is "other" (ignored), 1..150 -> 0..149
         arr = np.where(arr == 0, IGNORE + 1, arr) - 1
-    bad = (arr >= num_classes) & (arr != IGNORE)
+    # Negative labels too (a 32-bit "I" mask can hold them): bincount would fail on them later.
+    bad = ((arr < 0) | (arr >= num_classes)) & (arr != IGNORE)
     if bad.any():
-        top = int(arr[bad].max()) + int(reduce_zero)
+        wrong = arr[bad]
+        label = int(wrong.min() if wrong.min() < 0 else wrong.max()) + int(reduce_zero)
         allowed = f"1..{num_classes} (0 ignored)" if reduce_zero else f"0..{num_classes - 1}, 255"
-        raise LgvitError(f"{path}: label {top} is out of range ({allowed} expected)")
+        raise LgvitError(f"{path}: label {label} is out of range ({allowed} expected)")
     return torch.from_numpy(arr)
 
 

@@ -121,10 +121,14 @@ def evaluate_detection(
     model.train(was_training)
     bbox, segm = _gather(bbox, d), _gather(segm, d)
     count, unreadable = (sum(v) for v in zip(*_gather([(count, unreadable)], d), strict=True))
+    # Which images and why (the loader's one-line messages), not only how many.
+    examples = _gather(list(getattr(loader, "skipped", []))[:3], d)[:3]
     result: dict[str, Any] = coco_evaluate(split.coco, bbox, "bbox", split.image_ids)
     if masks:
         result.update(coco_evaluate(split.coco, segm, "segm", split.image_ids))
     result.update(count=count, unreadable=unreadable, detections=len(bbox))
+    if examples:
+        result["unreadable_examples"] = examples
     if keep_results:
         result["results"] = {"bbox": bbox, "segm": segm}
     return result
