@@ -323,7 +323,8 @@ def test_detection_training_with_every_image_unusable_stops_in_one_line(tmp_path
 def test_a_few_bad_training_images_are_counted_and_reported(tmp_path, capsys):
     """One missing file (found when the loader is made: train.log says so) and one image of
     another size than the JSON's (found when read: a warning and ``skipped_images`` in
-    metrics.jsonl), below max_bad_fraction: the run goes on and says what it left out."""
+    metrics.jsonl), below max_bad_fraction: the run goes on and says what it left out. The
+    validation image of another size too: the epoch's evaluation names it."""
     root = write_coco_set(tmp_path / "small", 5, 1, size=(32, 48), empty=0)  # 3 steps
     ids = _plain_ids(root)
 
@@ -332,6 +333,9 @@ def test_a_few_bad_training_images_are_counted_and_reported(tmp_path, capsys):
         next(im for im in data["images"] if im["id"] == ids[1])["file_name"] = "gone.png"
 
     new = _variant(tmp_path, root, edit)
+    val = json.loads(_ann_file(new, "val").read_text())
+    _resize_images(val, {val["images"][0]["id"]})
+    _ann_file(new, "val").write_text(json.dumps(val))
     run = tmp_path / "run"
     code, err = _cli([*DET_TRAIN, "--data-dir", str(new), "--detector", "retinanet", "--out",
                       str(run), "--set", "max_bad_fraction=0.3"], capsys)  # fmt: skip
@@ -341,6 +345,8 @@ def test_a_few_bad_training_images_are_counted_and_reported(tmp_path, capsys):
     assert "epoch 1: skipped 1 training image(s) of 4 that could not be used (25.0%)" in err
     hist = [json.loads(line) for line in (run / "metrics.jsonl").open()]
     assert hist[0]["skipped_images"] == 1
+    assert "eval: 1 unreadable validation image(s) counted as without detections, e.g." in err
+    assert "instances_val2017.json says 34x48" in err
 
 
 # --------------------------------------------------------------------------- evaluation
