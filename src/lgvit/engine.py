@@ -668,6 +668,7 @@ def _evaluate_pending(run: Run, pos: _Position) -> None:
     _record(run, metrics)
     run.save(epoch, pos.step, is_best)
     run.log(f"epoch {epoch + 1}/{run.epochs}, evaluated on resuming: {tested}")
+    run.last_metrics = metrics  # the run's result when that epoch was its last
 
 
 def _run(
