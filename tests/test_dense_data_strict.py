@@ -261,6 +261,16 @@ def test_missing_files_are_counted_when_the_loader_is_made(tmp_path, root):
     assert "gone_" in DetEvalLoader(val, workers=0, max_bad_fraction=0.5).notes[0]
 
 
+def test_a_file_listed_in_another_case_is_not_missing(root, monkeypatch):
+    """A case-insensitive disk lists IMG.PNG for a file_name img.png that opens: not missing."""
+    import os
+
+    split = load_coco_split(root, "train")
+    listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p: [n.upper() for n in listdir(p)])
+    assert DetTrainLoader(split, 1, seed=0, workers=0).notes == []
+
+
 def test_eval_loader_keeps_each_pass_s_messages(tmp_path, root):
     new = _variant(tmp_path, root, split="val", copy_images=True)
     val = load_coco_split(new, "val")

@@ -639,8 +639,9 @@ def missing_files(
     split: CocoSplit, max_bad_fraction: float, what: str = "training"
 ) -> tuple[list[int], list[str]]:  # fmt: skip
     """The images whose files are missing (one directory listing per folder, not a stat per
-    file: COCO's train2017 has 118k), and a line saying so when there are any. More than
-    ``max_bad_fraction`` of them, or all: one line, as classification's unreadable images."""
+    file: COCO's train2017 has 118k; a name not listed is looked up, for case-insensitive file
+    systems), and a line saying so when there are any. More than ``max_bad_fraction`` of
+    them, or all: one line, as classification's unreadable images."""
     listed: dict[Path, set[str]] = {}
     missing = []
     for i, f in enumerate(split.files):
@@ -649,7 +650,7 @@ def missing_files(
                 listed[f.parent] = set(os.listdir(f.parent))
             except OSError:
                 listed[f.parent] = set()
-        if f.name not in listed[f.parent]:
+        if f.name not in listed[f.parent] and not f.exists():  # exists(): a case-blind disk
             missing.append(i)
     if not missing:
         return [], []
