@@ -79,6 +79,32 @@ def test_features_only(built):
         maps = fm(x[:1])
     assert [m.shape[1] for m in maps] == fm.feature_info.channels()
     assert fm.feature_info.channels() == [model.feature_info[i]["num_chs"] for i in take]
+    # timm's FeatureInfo: every level in .info, the returned ones by out_indices
+    info = fm.feature_info
+    assert info.out_indices == tuple(take) and len(info.info) == n
+    assert [d["index"] for d in info.get_dicts()] == take
+    assert all(fm.model.get_submodule(mod) is not None for mod in info.module_name())
+    assert fm.default_cfg is fm.pretrained_cfg and fm.output_fmt == "NCHW"
+
+
+def test_timm_feature_and_head_layouts(built):
+    """timm's contract: forward_features in ``output_fmt`` (a pyramid's NHWC map of
+    ``pool_size`` at the config's input size, or ViT tokens), pre-logits of
+    ``head_hidden_size``, and with no classifier and no pooling the unpooled features."""
+    name, model, x = built
+    m = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        feats = m.forward_features(x[:1])
+        pre = m.forward_head(feats, pre_logits=True)
+        assert pre.shape == (1, m.head_hidden_size)
+        torch.testing.assert_close(m.forward_head(feats), m(x[:1]))
+        if m.output_fmt == "NHWC":
+            assert feats.shape[0] == 1 and feats.shape[-1] == m.num_features, name
+            assert tuple(feats.shape[1:3]) == m.pretrained_cfg["pool_size"], name
+        else:
+            assert m.output_fmt == "NLC" and feats.ndim == 3 and m.num_prefix_tokens > 0
+        m.reset_classifier(0, "")
+        torch.testing.assert_close(m(x[:1]), feats)
 
 
 def test_reset_classifier_and_pooling(built):

@@ -272,7 +272,7 @@ def test_head_interface():
     m = lgvit.create_model("lsa_micro_cifar", num_classes=10).eval()
     x = torch.randn(2, 3, 32, 32)
     feats = m.forward_features(x)
-    assert feats.shape == (2, 16, 160)
+    assert m.output_fmt == "NHWC" and feats.shape == (2, 4, 4, 160)  # the final map, as timm's Swin
     assert m.forward_head(feats, pre_logits=True).shape == (2, 160)
     torch.testing.assert_close(m.forward_head(feats), m(x))
     m.reset_classifier(3)

@@ -12,3 +12,8 @@ __all__ = [
     "register_model",
     "__version__",
 ]
+
+# With timm installed, lgvit's models are timm's too (registered when timm is imported).
+from lgvit.models import timm_registry as _timm_registry  # noqa: E402
+
+_timm_registry.install()

@@ -13,7 +13,7 @@ level). It then calls :meth:`StagedViT.init_head`. The base owns everything a ti
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +47,55 @@ def pyramid_feature_info(dims: Sequence[int], first_reduction: int) -> FeatureIn
         dict(num_chs=d, reduction=first_reduction * 2**i, module=f"stages.{i}")
         for i, d in enumerate(dims)
     )
+
+
+def check_image(x: torch.Tensor, in_chans: int, weight: torch.Tensor | None) -> torch.Tensor:
+    """``x``, or one clear error for an input that is not a batch of images with ``in_chans``
+    channels, or not in the floating-point type of ``weight`` (the model's): an image as read
+    (uint8, 0-255) must be converted and normalised first, and another float type (float64
+    into float32 weights) is refused rather than cast, as it would not run. Under autocast the
+    input's float type is autocast's to choose."""
+    if x.ndim != 4 or x.shape[1] != in_chans:
+        raise ValueError(f"expected input (B, {in_chans}, H, W), got {tuple(x.shape)}")
+    got = str(x.dtype).removeprefix("torch.")
+    if not x.is_floating_point():
+        raise ValueError(
+            f"expected a floating-point image batch, got {got}; convert and normalise it "
+            "first (x.float() / 255, then the model's mean and std)"
+        )
+    want = x.dtype if weight is None else weight.dtype
+    dev = x.device.type
+    autocast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+    if x.dtype != want and not autocast:
+        want_name = str(want).removeprefix("torch.")
+        raise ValueError(
+            f"input is {got} but the model's weights are {want_name}: pass "
+            f"x.to(torch.{want_name}) (or convert the model with .to(torch.{got}))"
+        )
+    return x
+
+
+def stem_of_no_images(
+    stem: Callable[[torch.Tensor], tuple[torch.Tensor, Grid]], x: torch.Tensor, *modules: nn.Module
+) -> tuple[torch.Tensor, Grid]:
+    """``stem(x)`` for a batch of 0 images, for a stem that cannot run one (LSA's shifted-patch
+    gather): the stem of one blank image with none of its tokens kept, so the shapes that
+    follow are right. The stem's ``modules`` run in eval mode: no normalisation statistic
+    moves."""
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.train(False)
+    try:
+        tokens, grid = stem(x.new_zeros((1, *x.shape[1:])))
+    finally:
+        for m, mode in zip(modules, modes, strict=True):
+            m.train(mode)
+    return tokens[:0], grid
+
+
+# torch.fx: one graph node that runs the checks at run time (they branch on the input's shape
+# and dtype, which a symbolic trace cannot).
+torch.fx.wrap("check_image")
 
 
 class StagedViT(nn.Module):
@@ -97,45 +146,24 @@ class StagedViT(nn.Module):
     def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
         raise NotImplementedError
 
-    def check_input(self, x: torch.Tensor) -> None:
-        """One clear error for an input that is not a batch of images with our channels, or not
-        in the floating-point type of the weights: an image as read (uint8, 0-255) must be
-        converted and normalised first, and another float type (float64 into float32 weights)
-        is refused rather than cast, as it would not run. Under autocast the input's float
-        type is autocast's to choose."""
-        if x.ndim != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"expected input (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
-        got = str(x.dtype).removeprefix("torch.")
-        if not x.is_floating_point():
-            raise ValueError(
-                f"expected a floating-point image batch, got {got}; convert and normalise it "
-                "first (x.float() / 255, then the model's mean and std)"
-            )
-        want = x.dtype
+    def check_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``, checked by :func:`check_image` against the model's channels and weights; a
+        family calls ``x = self.check_input(x)`` so a traced graph keeps the check."""
+        weight = None
         for p in self.parameters():  # a loop, not a generator: torch.compile traces it whole
             if p.is_floating_point():
-                want = p.dtype
+                weight = p
                 break
-        dev = x.device.type
-        autocast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
-        if x.dtype != want and not autocast:
-            want_name = str(want).removeprefix("torch.")
-            raise ValueError(
-                f"input is {got} but the model's weights are {want_name}: pass "
-                f"x.to(torch.{want_name}) (or convert the model with .to(torch.{got}))"
-            )
+        return check_image(x, self.in_chans, weight)
 
-    def stem_of_no_images(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
-        """``forward_stem`` of a batch of 0 images, for a stem that cannot run one (LSA's
-        shifted-patch gather): the stem of one blank image with none of its tokens kept, so the
-        shapes that follow are right. In eval mode: no normalisation statistic moves."""
-        training = self.training
-        self.train(False)
-        try:
-            tokens, grid = self.forward_stem(x.new_zeros((1, *x.shape[1:])))
-        finally:
-            self.train(training)
-        return tokens[:0], grid
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        # Module.to(memory_format=torch.channels_last) converts every 4-D and 5-D tensor, and a
+        # 5-D one cannot take that 4-D format: LSA's stacked conv weights (T, out, in, k, k) are
+        # converted as the T*out 4-D conv filters they are, and keep their shape.
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            return fn(t.flatten(0, 1)).view(t.shape) if t.ndim == 5 else fn(t)
+
+        return super()._apply(convert, recurse)
 
     def tokens_of(self, x: Any) -> torch.Tensor:
         """The tokens in what the stages pass on (TNT passes pixel and patch tokens)."""
@@ -176,17 +204,34 @@ class StagedViT(nn.Module):
         return run_block(stage, x, hw, self.grad_checkpointing), hw
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Image -> final tokens ``(B, N, C)`` after the final norm."""
+        """Image -> the final features after the final norm, in :attr:`output_fmt`: the map
+        ``(B, H, W, C)`` of a model without class tokens (a pyramid, as timm's Swin), else the
+        tokens ``(B, N, C)`` with the class token first (as timm's ViT)."""
         x, hw = self.forward_stem(x)
         for stage in self.stage_list():
             x, hw = self._run(stage, x, hw)
-        return self.norm(self.tokens_of(x))
+        return self._final(x, hw)
+
+    def _final(self, x: Any, hw: Grid) -> torch.Tensor:
+        x = self.norm(self.tokens_of(x))
+        if self.output_fmt == "NHWC":  # a view: the tokens are the map in row-major order
+            x = x.reshape(x.shape[0], hw[0], hw[1], x.shape[-1])
+        return x
+
+    @property
+    def output_fmt(self) -> str:
+        """timm's: the layout :meth:`forward_features` returns (``NHWC`` map or ``NLC``
+        tokens, the class token among them)."""
+        return "NLC" if self.num_prefix_tokens else "NHWC"
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Pool (``token``: the class token; ``avg``: the mean of the image tokens or of the
+        map; ``""``: none) and classify."""
         if self.global_pool == "token":
             x = x[:, 0]
         elif self.global_pool == "avg":
-            x = x[:, self.num_prefix_tokens :].mean(dim=1)
+            nhwc = self.output_fmt == "NHWC"
+            x = x.mean(dim=(1, 2)) if nhwc else x[:, self.num_prefix_tokens :].mean(dim=1)
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
@@ -236,7 +281,7 @@ class StagedViT(nn.Module):
                 maps.append(t if output_fmt == "NHWC" else t.permute(0, 3, 1, 2).contiguous())
         if intermediates_only:
             return maps
-        return self.norm(self.tokens_of(x)), maps
+        return self._final(x, hw), maps
 
     def take_indices(self, indices: int | Sequence[int] | None) -> list[int]:
         """The stages ``indices`` asks for (see :meth:`forward_intermediates`); at least one."""
@@ -323,7 +368,20 @@ class StagedViT(nn.Module):
 
     @property
     def default_cfg(self) -> dict[str, Any]:
+        """timm's older name of :attr:`pretrained_cfg` (the same dict)."""
         return self.pretrained_cfg
+
+    @default_cfg.setter
+    def default_cfg(self, cfg: dict[str, Any]) -> None:  # timm's builders assign it
+        self.pretrained_cfg = cfg
+
+    def load_state_dict(
+        self, state_dict: Any, strict: bool = True, assign: bool = False
+    ) -> Any:  # fmt: skip
+        """``nn.Module.load_state_dict`` after :meth:`checkpoint_filter_fn`: the authors'
+        released layouts load wherever a state dict is loaded (timm's ``checkpoint_path``,
+        user code); lgvit's own keys pass through."""
+        return super().load_state_dict(self.checkpoint_filter_fn(state_dict), strict, assign)
 
     def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Map a checkpoint in another layout (the authors' releases) to this model's keys.

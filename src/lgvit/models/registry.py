@@ -54,7 +54,7 @@ class ModelConfig:
     crop_pct: float = CROP_PCT
     crop_mode: str = "center"  # timm's: the eval crop is a centre crop
     interpolation: str = "bicubic"
-    first_conv: str = "patch_embed.proj"
+    first_conv: str | tuple[str, ...] = "patch_embed.proj"  # a tuple: a stem of several
     classifier: str = "head"
     dataset: str = "imagenet"
     smoke_input_size: tuple[int, int, int] = (3, 64, 64)
@@ -167,6 +167,10 @@ def pretrained_cfg_for(
         cfg["input_size"] = (getattr(model, "in_chans", 3), *img)
     cfg["num_classes"] = getattr(model, "num_classes", cfg["num_classes"])
     cfg["fixed_input_size"] = not getattr(model, "dynamic_img_size", False)
+    info = getattr(model, "feature_info", None)
+    if info:  # timm's: the final feature map's size at input_size
+        r = info[-1]["reduction"]
+        cfg["pool_size"] = tuple(-(-s // r) for s in cfg["input_size"][1:])  # padded up
     cfg["architecture"] = name
     meta = metadata or {}
     for key in ("mean", "std"):
@@ -294,6 +298,36 @@ def _create_from_folder(name: str, **overrides: Any) -> nn.Module:
     return model
 
 
+def adapt_input_conv(weight: torch.Tensor, in_chans: int) -> torch.Tensor:
+    """A first conv's ``weight`` trained on other input channels (RGB), for ``in_chans``: one
+    channel takes their sum (a grey image gets the response its colour had); more repeat them,
+    cut to ``in_chans``, scaled by (channels trained) / ``in_chans`` so that an image repeated
+    over the channels keeps its response. The channel axis is -3: ``(out, in, k, k)`` or LSA's
+    stacked ``(T, out, in, k, k)``."""
+    w = weight.float()  # summed in float32, whatever the checkpoint's precision
+    if in_chans == 1:
+        w = w.sum(dim=-3, keepdim=True)
+    else:
+        have = w.shape[-3]
+        w = torch.cat([w] * -(-in_chans // have), dim=-3)[..., :in_chans, :, :] * (have / in_chans)
+    return w.to(weight.dtype)
+
+
+def adapt_first_convs(
+    weights: dict[str, torch.Tensor], model: nn.Module, first_conv: str | tuple[str, ...]
+) -> dict[str, torch.Tensor]:
+    """``weights`` with each ``first_conv`` weight adapted (:func:`adapt_input_conv`) to the
+    model's input channels where they differ."""
+    own = model.state_dict()
+    for name in (first_conv,) if isinstance(first_conv, str) else first_conv:
+        key = f"{name}.weight"
+        w, want = weights.get(key), own.get(key)
+        if w is not None and want is not None and w.ndim == want.ndim >= 3:
+            if w.shape[-3] != want.shape[-3]:
+                weights = {**weights, key: adapt_input_conv(w, want.shape[-3])}
+    return weights
+
+
 def _load_checkpoint(
     model: nn.Module,
     weights: dict[str, torch.Tensor],
@@ -305,6 +339,7 @@ def _load_checkpoint(
     """Map (authors' layouts), fit the head, load strictly; errors are one line."""
     filt = getattr(model, "checkpoint_filter_fn", None)
     weights = filt(weights) if filt is not None else weights
+    weights = adapt_first_convs(weights, model, cfg.first_conv)  # RGB weights, in_chans != 3
     from lgvit.checkpoint import check_weight_dtypes
 
     check_weight_dtypes(weights, model.state_dict(), path)  # int or bool where floats belong
@@ -339,10 +374,21 @@ class FeatureMaps(nn.Module):
                 "(or leave it out: all of them)"
             )
         self.out_indices = model.prune_intermediate_layers(indices, prune_norm=True)
-        info = type(model.feature_info)(model.feature_info[i] for i in self.out_indices)
-        self.feature_info = info
-        self.pretrained_cfg = getattr(model, "pretrained_cfg", {})
+        self.feature_info = model.feature_info.select(self.out_indices)
         self.model = model
+
+    output_fmt = "NCHW"  # timm's: the layout of the maps forward returns
+
+    @property
+    def pretrained_cfg(self) -> dict[str, Any]:
+        """The wrapped model's (timm's feature wrappers share it too)."""
+        return self.model.pretrained_cfg
+
+    @pretrained_cfg.setter
+    def pretrained_cfg(self, cfg: dict[str, Any]) -> None:
+        self.model.pretrained_cfg = cfg
+
+    default_cfg = pretrained_cfg
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         return self.model.forward_intermediates(
