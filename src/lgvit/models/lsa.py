@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lgvit.errors import LgvitError
-from lgvit.models.base import StagedViT, pyramid_feature_info
+from lgvit.models.base import StagedViT, pyramid_feature_info, stem_of_no_images
 from lgvit.models.layers import (
     LN_EPS,
     Attention,
@@ -65,6 +65,7 @@ from lgvit.models.layers import (
     tokens_to_map,
     trunc_normal_,
 )
+from lgvit.models.layers.shift import shift_patch_index
 from lgvit.models.registry import (
     CIFAR_MEAN,
     CIFAR_STD,
@@ -87,68 +88,6 @@ IMAGENET_SHIFTS = (
 # ---------------------------------------------------------------------------------------------
 # Shift embedding
 # ---------------------------------------------------------------------------------------------
-
-
-def _shifted_coords(coord: torch.Tensor, shift: torch.Tensor, size: int, mode: str) -> torch.Tensor:
-    """Where shifted-image coordinate ``coord`` reads from in the original image.
-
-    Copy t at (i, j) reads the image at (i - dy_t, j - dx_t), like ``torch.roll(img, (dy, dx))``:
-    ``circular`` wraps around the edges (the paper; ``pad`` too: see :func:`shift_patch_index`);
-    ``reflect`` mirrors them (the ablation's image translation with reflection padding).
-    """
-    src = coord - shift
-    # The size as a 0-dim tensor: a symbolic size (dynamic-size export) must not be a scalar
-    # operand, which the ONNX exporter cannot translate for remainder.
-    n = torch.scalar_tensor(size, dtype=src.dtype)
-    if mode in ("circular", "pad"):
-        return torch.remainder(src, n)
-    src = torch.where(src < 0, -src, src)
-    return torch.where(src >= n, 2 * (n - 1) - src, src)
-
-
-def shift_patch_index(
-    shifts: Sequence[tuple[int, int]],
-    height: int,
-    width: int,
-    kernel: int,
-    stride: int,
-    padding: int,
-    channels: int,
-    mode: str = "circular",
-) -> tuple[torch.Tensor, tuple[int, int]]:
-    """im2col index of the T shifted copies: ``(T, N, channels*kernel*kernel)``.
-
-    Entry (t, n, (c, ky, kx)) is the flat index into ``x.flatten(1)`` (C*H*W values, then one
-    zero) of the pixel that tap (ky, kx) of output position n reads in copy t, after zero
-    padding by ``padding`` -- exactly what ``conv2d(shift(x, t), padding=padding)`` sees.
-    ``pad``: the copy is ``F.pad(x, (dx, 0, dy, 0), "circular")``, (H+dy) x (W+dx), whose taps
-    past the bottom/right edge read on around the image where a roll's read the zero padding.
-    """
-    if mode == "reflect" and max(abs(v) for s in shifts for v in s) >= min(height, width):
-        raise ValueError(f"a shift as large as the image ({height}x{width}) cannot reflect")
-    if mode == "pad" and min(v for s in shifts for v in s) < 0:
-        raise ValueError(f"'pad' shifts pad the top/left, so none may be negative: {shifts}")
-    sh = torch.tensor(shifts, dtype=torch.long)
-    h = conv_out_size(height, kernel, stride, padding)
-    w = conv_out_size(width, kernel, stride, padding)
-    k = torch.arange(kernel)
-    rows = torch.arange(h)[:, None] * stride - padding + k[None]  # (h, K) in the padded frame
-    cols = torch.arange(w)[:, None] * stride - padding + k[None]  # (w, K)
-    g_r, g_c = (sh[:, 0, None, None], sh[:, 1, None, None]) if mode == "pad" else (0, 0)
-    r_ok = (rows >= 0) & (rows < height + g_r)  # (h, K); padded: (T, h, K), dy rows more
-    c_ok = (cols >= 0) & (cols < width + g_c)
-    r_hi, c_hi = (None, None) if mode == "pad" else (height - 1, width - 1)
-    r = _shifted_coords(rows.clamp(0, r_hi)[None], sh[:, 0, None, None], height, mode)
-    c = _shifted_coords(cols.clamp(0, c_hi)[None], sh[:, 1, None, None], width, mode)
-    # (T, h, w, C, K, K): channel offset + row * W + col, or the trailing zero when padded.
-    flat = (
-        torch.arange(channels)[None, None, None, :, None, None] * (height * width)
-        + r[:, :, None, None, :, None] * width
-        + c[:, None, :, None, None, :]
-    )
-    ok = r_ok[..., :, None, None, :, None] & c_ok[..., None, :, None, None, :]
-    flat = torch.where(ok, flat, channels * height * width)
-    return flat.reshape(len(shifts), h * w, channels * kernel * kernel), (h, w)
 
 
 @dataclass(frozen=True)
@@ -244,8 +183,8 @@ class ShiftedVariants:
             var = (quad + cf.square().sum(-1)[:, None]).clamp_min(0) / C
             rstd = torch.rsqrt(var + norm.eps)[..., None]  # (T, B, N, 1)
             scaled = (p * rstd).view(T, B * N, -1)  # rstd scales K columns, not `out`
-        if autocast:  # cast once here, not in each matmul that reads it
-            scaled = scaled.to(torch.get_autocast_dtype(dev))
+        # cast once here, not in each matmul that reads it: to autocast's type or the weights'
+        scaled = scaled.to(torch.get_autocast_dtype(dev) if autocast else w.dtype)
         return FoldedProjection(scaled, w @ g_lin, rstd, c @ g_lin, e)
 
 
@@ -715,25 +654,9 @@ class LocallyShiftedViT(StagedViT):
 
     def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
         """Image -> shift embedding (+ position) -> local block: stage 1's first tokens."""
-        self.check_input(x)
-        if x.shape[0] == 0:  # the shifted-patch gather cannot run a batch of no images
-            return self.stem_of_no_images(x)
-        x0, variants, grid = self.patch_embed(x, self.shifted)  # (B, N, C), ShiftedVariants
-        if not self.dynamic_img_size and grid != self.grids[0]:
-            raise ValueError(
-                f"input {x.shape[-2]}x{x.shape[-1]} gives a {grid[0]}x{grid[1]} token "
-                f"grid but the model was built for {self.img_size[0]}x{self.img_size[1]} "
-                f"({self.grids[0][0]}x{self.grids[0][1]}); create it with "
-                "img_size=... or dynamic_img_size=True"
-            )
-        if self.pos_embed is not None:
-            pos = resize_pos_embed(self.pos_embed, self.grids[0], grid)  # (T or 1, N, C)
-            x0 = x0 + pos[0]
-            if variants is not None:
-                variants = variants.add(pos)
-        if self.shifted:
-            return self.local_block(x0, variants, grid), grid
-        return self.local_block(x0, grid), grid
+        x = self.check_input(x)
+        return lsa_stem(x, self.patch_embed, self.local_block, self.pos_embed, self.shifted,
+                        self.grids[0], self.img_size, self.dynamic_img_size)  # fmt: skip
 
     def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """lgvit's layout passes; the authors' released layout is refused, naming its model."""
@@ -744,6 +667,33 @@ class LocallyShiftedViT(StagedViT):
                 f"LSA models: load it as {owner} (--model {owner})"
             )
         return state_dict
+
+
+def lsa_stem(
+    x: torch.Tensor, embed: nn.Module, block: nn.Module, pos_embed: torch.Tensor | None,
+    shifted: bool, built: Grid, img_size: Grid, dynamic: bool,
+) -> tuple[torch.Tensor, Grid]:  # fmt: skip
+    """:meth:`LocallyShiftedViT.forward_stem` after the input check; one node of a torch.fx
+    graph (the variants are no tensor, and the batch and grid checks branch on shapes)."""
+    if x.shape[0] == 0:  # the shifted-patch gather cannot run a batch of no images
+        stem = partial(lsa_stem, embed=embed, block=block, pos_embed=pos_embed, shifted=shifted,
+                       built=built, img_size=img_size, dynamic=dynamic)  # fmt: skip
+        return stem_of_no_images(stem, x, embed, block)
+    x0, variants, grid = embed(x, shifted)  # (B, N, C), ShiftedVariants
+    if not dynamic and grid != built:
+        raise ValueError(
+            f"input {x.shape[-2]}x{x.shape[-1]} gives a {grid[0]}x{grid[1]} token grid but the "
+            f"model was built for {img_size[0]}x{img_size[1]} ({built[0]}x{built[1]}); create "
+            "it with img_size=... or dynamic_img_size=True"
+        )
+    if pos_embed is not None:
+        pos = resize_pos_embed(pos_embed, built, grid)  # (T or 1, N, C)
+        x0 = x0 + pos[0]
+        variants = variants.add(pos) if variants is not None else None
+    return (block(x0, variants, grid) if shifted else block(x0, grid)), grid
+
+
+torch.fx.wrap("lsa_stem")
 
 
 # Checkpoints saved before the shared model core (lgvit 0.1) named a few modules differently.
@@ -928,7 +878,9 @@ def lsa_tiny_cifar_swin_local(**kwargs: Any) -> LocallyShiftedViT:
     return _build({**_TINY_CIFAR, "local_block": "swin"}, kwargs)
 
 
-@register_model(config=_cifar_cfg(None, ablation="II"))
+@register_model(  # CvT's embedding is one plain conv
+    config=dataclasses.replace(_cifar_cfg(None, ablation="II"), first_conv="patch_embed.proj")
+)
 def lsa_tiny_cifar_cvt_local(**kwargs: Any) -> LocallyShiftedViT:
     """Table 6 variant II: CvT conv token embedding + conv-projection attention block."""
     return _build({**_TINY_CIFAR, "local_block": "cvt"}, kwargs)

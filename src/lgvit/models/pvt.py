@@ -129,7 +129,7 @@ class PyramidVisionTransformer(StagedViT):
         self.apply(partial(init_vit_weights, conv=False))
 
     def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
-        self.check_input(x)
+        x = self.check_input(x)
         return self.patch_embed(x)
 
     def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict:

@@ -123,7 +123,7 @@ class SwinTransformer(StagedViT):
         self.apply(partial(init_vit_weights, conv=False))
 
     def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
-        self.check_input(x)
+        x = self.check_input(x)
         x, hw = self.patch_embed(x)
         return self.pos_drop(x), hw
 

@@ -41,6 +41,28 @@ from lgvit.models.registry import ModelConfig, register_model
 from lgvit.models.vit import VisionTransformer
 
 
+def performer_attention(
+    k: torch.Tensor, q: torch.Tensor, v: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    """Linear attention through the positive random features ``phi(x) = exp(w x - |x|^2 / 2) /
+    sqrt(m)`` of ``w (m, dim)``, in float32, autocast or not: rounding the exponent's argument
+    to bfloat16 moves kernel weights by up to a few percent (seen at random init already)."""
+
+    def features(x: torch.Tensor) -> torch.Tensor:
+        sq = x.square().sum(-1, keepdim=True) / 2
+        return torch.exp(x @ w.float().T - sq) / math.sqrt(w.shape[0])
+
+    amp = k.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(k.device.type)
+    with torch.autocast(k.device.type, enabled=False) if amp else contextlib.nullcontext():
+        kp, qp = features(k.float()), features(q.float())  # (B, T, m)
+        denom = qp @ kp.sum(1, keepdim=True).transpose(1, 2)  # (B, T, 1)
+        return (qp @ (kp.transpose(1, 2) @ v.float())) / (denom + 1e-8)
+
+
+# torch.fx: one graph node (the autocast check reads the input's device).
+torch.fx.wrap("performer_attention")
+
+
 class TokenPerformer(nn.Module):
     """T2T's performer layer: ``v + proj(linear_attention(LN(x)))``, then a feed-forward.
 
@@ -73,18 +95,8 @@ class TokenPerformer(nn.Module):
         # dropout after the feed-forward only (the authors' has none between its two linears)
         self.mlp_drop = nn.Dropout(drop) if not local else nn.Identity()
 
-    def _features(self, x: torch.Tensor) -> torch.Tensor:
-        sq = x.square().sum(-1, keepdim=True) / 2
-        return torch.exp(x @ self.w.float().T - sq) / math.sqrt(self.m)
-
     def _attend(self, k: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Linear attention in float32, autocast or not: rounding the exponent's argument to
-        bfloat16 moves kernel weights by up to a few percent (seen at random init already)."""
-        amp = k.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(k.device.type)
-        with torch.autocast(k.device.type, enabled=False) if amp else contextlib.nullcontext():
-            kp, qp = self._features(k.float()), self._features(q.float())  # (B, T, m)
-            denom = qp @ kp.sum(1, keepdim=True).transpose(1, 2)  # (B, T, 1)
-            return (qp @ (kp.transpose(1, 2) @ v.float())) / (denom + 1e-8)
+        return performer_attention(k, q, v, self.w)
 
     def forward(self, x: torch.Tensor, hw: Grid) -> torch.Tensor:
         k, q, v = self.kqv(self.norm1(x)).split(self.in_dim, dim=-1)
@@ -173,7 +185,8 @@ _T2T_7 = dict(
     embed_dim=256, depth=7, num_heads=4, mlp_ratio=2.0, qkv_bias=False, drop_path_rate=0.1,
     norm_layer=nn.LayerNorm,
 )  # fmt: skip
-_CFG = dict(first_conv="patch_embed.project")
+# The first layer on the image: the performer's projection of the unfolded 7x7 patches.
+_CFG = dict(first_conv="patch_embed.attention1.kqv")
 
 
 @register_model(  # the T2T authors evaluate at a 0.9 centre crop

@@ -27,7 +27,6 @@ from lgvit.models.layers import (
     Grid,
     Mlp,
     drop_path_schedule,
-    grid_differs,
     init_vit_weights,
     register_resize_on_load,
     resize_pos_embed,
@@ -36,6 +35,9 @@ from lgvit.models.layers import (
 )
 from lgvit.models.localvit import locality_ffn, map_authors_ffn_keys
 from lgvit.models.registry import ModelConfig, register_model
+
+# torch.fx: one graph node (it compares the grid with the built one).
+torch.fx.wrap("resize_pos_embed")
 
 Tokens = tuple[torch.Tensor, torch.Tensor]  # (pixel tokens (B*N, P, d), patch tokens (B, 1+N, C))
 
@@ -150,14 +152,12 @@ class TNT(StagedViT):
         return x[1]
 
     def forward_stem(self, x: torch.Tensor) -> tuple[Tokens, Grid]:  # type: ignore[override]
-        self.check_input(x)
+        x = self.check_input(x)
         B = x.shape[0]
         pixels, hw = self.pixel_embed(x, self.pixel_pos)
         patches = self.norm2_proj(self.proj(self.norm1_proj(pixels.reshape(B, hw[0] * hw[1], -1))))
         patches = torch.cat([self.cls_token.expand(B, -1, -1).to(patches.dtype), patches], dim=1)
-        pos = self.patch_pos
-        if grid_differs(hw, self.grid):
-            pos = resize_pos_embed(pos, self.grid, hw, 1)
+        pos = resize_pos_embed(self.patch_pos, self.grid, hw, 1)  # the same on the built grid
         return (pixels, self.pos_drop(patches + pos)), hw
 
     def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict:

@@ -44,6 +44,27 @@ def sinusoid_table(n: int, dim: int) -> torch.Tensor:
     return table.float()
 
 
+def pos_embed_for(
+    pos: torch.Tensor, built: Grid, grid: Grid, prefix: int, image: torch.Tensor,
+    img_size: Grid, dynamic: bool,
+) -> torch.Tensor:  # fmt: skip
+    """The position embedding ``pos`` (built for the ``built`` grid) for tokens on ``grid``:
+    resized, or -- unless ``dynamic`` -- an error naming the ``image``'s size and the one the
+    model takes. One torch.fx graph node (it branches on the grid)."""
+    if not grid_differs(grid, built):
+        return pos
+    if not dynamic:
+        raise ValueError(
+            f"input {image.shape[-2]}x{image.shape[-1]} gives a {grid[0]}x{grid[1]} token grid "
+            f"but the model takes {img_size[0]}x{img_size[1]} images ({built[0]}x{built[1]} "
+            "tokens); create it with img_size=... or dynamic_img_size=True"
+        )
+    return resize_pos_embed(pos, built, grid, prefix)
+
+
+torch.fx.wrap("pos_embed_for")
+
+
 class VisionTransformer(StagedViT):
     """ViT / DeiT.
 
@@ -133,17 +154,10 @@ class VisionTransformer(StagedViT):
         return int(self.cls_token is not None)
 
     def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
-        self.check_input(x)
-        x, hw = self.patch_embed(x)
-        pos = self.pos_embed
-        if grid_differs(hw, self.grid):
-            if not self.dynamic_img_size:
-                raise ValueError(
-                    f"input {x.shape[-2]}x{x.shape[-1]} gives a {hw[0]}x{hw[1]} token grid but "
-                    f"the model was built for {self.img_size[0]}x{self.img_size[1]}; create it "
-                    "with img_size=... or dynamic_img_size=True"
-                )
-            pos = resize_pos_embed(pos, self.grid, hw, self.num_prefix_tokens)
+        image = self.check_input(x)
+        x, hw = self.patch_embed(image)
+        pos = pos_embed_for(self.pos_embed, self.grid, hw, self.num_prefix_tokens, image,
+                            self.img_size, self.dynamic_img_size)  # fmt: skip
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
         return self.pos_drop(x + pos), hw

@@ -190,11 +190,19 @@ class RelativePositionBias(nn.Module):
         """``(heads, N, N)`` bias for the built grid, or for ``hw`` (another input size): then
         the table is resized, bicubic, on the fly."""
         table, index = self.relative_position_bias_table, self.relative_position_index
-        if hw is not None and grid_differs(hw, self.grid):
-            table = resize_rel_pos_table(table, self.grid, hw)
-            index = relative_position_index(*hw).to(table.device)
-        n = index.shape[0]
-        return table[index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+        return relative_bias(table, index, self.grid, hw)
+
+
+def relative_bias(
+    table: torch.Tensor, index: torch.Tensor, built: Grid, hw: Grid | None
+) -> torch.Tensor:
+    """:meth:`RelativePositionBias.forward`: ``(heads, N, N)`` from the table built for the
+    ``built`` grid, resized when ``hw`` differs."""
+    if hw is not None and grid_differs(hw, built):
+        table = resize_rel_pos_table(table, built, hw)
+        index = relative_position_index(*hw).to(table.device)
+    n = index.shape[0]
+    return table[index.view(-1)].view(n, n, -1).permute(2, 0, 1)
 
 
 def relative_position_index(H: int, W: int) -> torch.Tensor:
@@ -262,7 +270,7 @@ class Attention(nn.Module):
 
     def _keys_values(self, x: torch.Tensor, hw: Grid | None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.sr_ratio > 1:
-            if hw is None or x.shape[1] != hw[0] * hw[1]:
+            if hw is None:  # (tokens_to_map checks that the tokens form it)
                 raise ValueError("spatial-reduction attention needs the image tokens' grid")
             x = self.norm(self.sr(tokens_to_map(x, hw)).flatten(2).transpose(1, 2))
         kv = self.kv(x)
@@ -298,6 +306,12 @@ class Attention(nn.Module):
             self.captured.append((p, hw))
         x = multihead_sdpa(q, k, v, self.num_heads, self.kv_heads, attn_mask, drop, self.qk_scale)
         return self.proj_drop(self.proj(x))
+
+
+# torch.fx: one graph node each (they choose a kernel by device and dtype, or compare grids,
+# at run time).
+torch.fx.wrap("multihead_sdpa")
+torch.fx.wrap("relative_bias")
 
 
 def _default_norm(dim: int) -> nn.Module:

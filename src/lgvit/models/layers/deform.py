@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lgvit.models.layers.helpers import Grid, map_to_tokens, to_2tuple
+from lgvit.models.layers.helpers import Grid, check_grid, map_to_tokens, to_2tuple
 
 
 @functools.cache
@@ -109,6 +109,11 @@ def deform_conv2d(
     return F.conv2d(taps, weight, bias, stride=(kh, kw))
 
 
+# torch.fx: one graph node each (the kernel is chosen, and the shapes checked, at run time).
+torch.fx.wrap("deform_conv2d")
+torch.fx.wrap("check_grid")
+
+
 class DeformConv2d(nn.Module):
     """A DCNv1 convolution's parameters (``weight``, ``bias``, initialised as ``nn.Conv2d``);
     ``forward(x, offset)``."""
@@ -164,7 +169,5 @@ class DeformableTokenMerging(nn.Module):
 
 def _channels_last_map(x: torch.Tensor, hw: Grid) -> torch.Tensor:
     """``(B, H*W, C)`` tokens as a ``(B, C, H, W)`` channels-last map, without a copy."""
-    B, N, C = x.shape
-    if N != hw[0] * hw[1]:
-        raise ValueError(f"{N} tokens do not form the {hw[0]}x{hw[1]} grid")
-    return x.reshape(B, hw[0], hw[1], C).permute(0, 3, 1, 2)
+    B, _, C = x.shape
+    return check_grid(x, hw).reshape(B, hw[0], hw[1], C).permute(0, 3, 1, 2)

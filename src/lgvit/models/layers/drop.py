@@ -20,6 +20,10 @@ def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -
     return x * mask / keep  # 1/keep in bf16 would scale every kept sample ~0.2% too little
 
 
+# torch.fx: one graph node (its arithmetic depends on the dtype).
+torch.fx.wrap("drop_path")
+
+
 class DropPath(nn.Module):
     def __init__(self, drop_prob: float = 0.0) -> None:
         super().__init__()

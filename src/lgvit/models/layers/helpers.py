@@ -49,12 +49,17 @@ def conv_out_size(size: int, kernel: int, stride: int, padding: int) -> int:
     return (size + 2 * padding - kernel) // stride + 1
 
 
+def check_grid(x: torch.Tensor, hw: Grid) -> torch.Tensor:
+    """``x``, or an error when its ``(B, N, C)`` tokens do not form the ``hw`` grid."""
+    if x.shape[1] != hw[0] * hw[1]:
+        raise ValueError(f"{x.shape[1]} tokens do not form the {hw[0]}x{hw[1]} grid")
+    return x
+
+
 def tokens_to_map(x: torch.Tensor, hw: Grid) -> torch.Tensor:
     """``(B, H*W, C)`` tokens -> ``(B, C, H, W)`` map (a view when it can be)."""
-    B, N, C = x.shape
-    if N != hw[0] * hw[1]:
-        raise ValueError(f"{N} tokens do not form the {hw[0]}x{hw[1]} grid")
-    return x.transpose(1, 2).reshape(B, C, hw[0], hw[1])
+    B, _, C = x.shape
+    return check_grid(x, hw).transpose(1, 2).reshape(B, C, hw[0], hw[1])
 
 
 def map_to_tokens(x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
@@ -68,6 +73,12 @@ def num_prefix_tokens(x: torch.Tensor, hw: Grid) -> int:
     if n < 0:
         raise ValueError(f"{x.shape[1]} tokens are fewer than the {hw[0]}x{hw[1]} grid")
     return n
+
+
+# torch.fx: checks that branch on shapes are one graph node each, run at run time. A module
+# that calls them imported wraps them too (fx patches the name where it is looked up).
+torch.fx.wrap("check_grid")
+torch.fx.wrap("num_prefix_tokens")
 
 
 class _ContiguousGrad(torch.autograd.Function):

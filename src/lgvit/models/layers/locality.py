@@ -161,7 +161,7 @@ class LocalityFeedForward(nn.Module):
         conv before it.
         """
         p = num_prefix_tokens(x, hw)
-        t = x[:, p:] if p else x
+        t = x[:, p:]  # a view, x itself without class tokens
         B, N, _ = t.shape
         h = _activate(self.act1, _linear_bn(t, self.expand, self.bn1))
         if self.dwconv is not None:
@@ -175,10 +175,18 @@ class LocalityFeedForward(nn.Module):
             h = _activate(self.act2, h)
         if self.attn is not None:
             h = self.attn.forward_tokens(h)
-        y = _linear_bn(h, self.project, self.bn3)
-        if p:
-            y = torch.cat([y.new_zeros(B, p, y.shape[2]), y], dim=1)
-        return y
+        return with_prefix_zeros(_linear_bn(h, self.project, self.bn3), p)
+
+
+def with_prefix_zeros(y: torch.Tensor, p: int) -> torch.Tensor:
+    """``y`` after ``p`` zero tokens (the class tokens' update), or ``y`` itself for none."""
+    return torch.cat([y.new_zeros(y.shape[0], p, y.shape[2]), y], dim=1) if p else y
+
+
+# torch.fx: one graph node each (the number of class tokens comes from shapes).
+torch.fx.wrap("num_prefix_tokens")
+torch.fx.wrap("with_prefix_zeros")
+torch.fx.wrap("_token_mean")  # (it branches on the dtype)
 
 
 def _activate(act: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -195,7 +203,7 @@ def _folded(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Te
     if bn.training:
         return conv.weight, None
     scale = bn.weight * torch.rsqrt(bn.running_var + bn.eps)
-    w = conv.weight * scale.view(-1, *([1] * (conv.weight.ndim - 1)))
+    w = conv.weight * scale[:, None, None, None]  # (not from .ndim: fx cannot read it)
     return w, bn.bias - bn.running_mean * scale
 
 

@@ -28,9 +28,16 @@ class PatchMerging(nn.Module):
     def forward(self, x: torch.Tensor, hw: Grid) -> tuple[torch.Tensor, Grid]:
         B, _, C = x.shape
         H, W = hw
-        x = x.view(B, H, W, C)
-        if H % 2 or W % 2:
-            x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
+        x = pad_to_even(x.view(B, H, W, C))
         x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], -1)
         grid = (x.shape[1], x.shape[2])
         return self.reduction(self.norm(x.flatten(1, 2))), grid
+
+
+def pad_to_even(x: torch.Tensor) -> torch.Tensor:
+    """A ``(B, H, W, C)`` map zero-padded at the bottom/right to an even height and width."""
+    H, W = x.shape[1], x.shape[2]
+    return F.pad(x, (0, 0, 0, W % 2, 0, H % 2)) if H % 2 or W % 2 else x
+
+
+torch.fx.wrap("pad_to_even")  # torch.fx: one graph node (it branches on the map's size)

@@ -36,7 +36,7 @@ class PatchEmbed(nn.Module):
         self.norm = norm_layer(embed_dim) if norm_layer else nn.Identity()
 
     def forward(self, x: torch.Tensor, hw: Grid | None = None) -> tuple[torch.Tensor, Grid]:
-        if x.ndim == 3:
+        if hw is not None:  # tokens come with their grid (not x.ndim: fx cannot branch on it)
             x = tokens_to_map(x, hw)
         tokens, grid = map_to_tokens(self.proj(x))
         return self.norm(tokens), grid

@@ -10,8 +10,11 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from lgvit.models.layers.helpers import Grid
-from lgvit.models.layers.pos_embed import grid_differs, register_resize_on_load, resize_pos_embed
+from lgvit.models.layers.pos_embed import register_resize_on_load, resize_pos_embed
 from lgvit.models.layers.weight_init import trunc_normal_
+
+# torch.fx: one graph node (it compares the grid with the built one).
+torch.fx.wrap("resize_pos_embed")
 
 
 @contextmanager
@@ -98,8 +101,8 @@ class Stage(nn.Module):
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
         if self.pos_embed is not None:
             pos = self.pos_embed[self.num_prefix_tokens - prefix :]
-            if grid_differs(hw, self.grid):
-                pos = resize_pos_embed(pos, self.grid, hw, prefix, self.pos_resize_mode)
+            # the same on the built grid; one torch.fx graph node (it compares the grids)
+            pos = resize_pos_embed(pos, self.grid, hw, prefix, self.pos_resize_mode)
             x = self.pos_drop(x + pos)
         for blk in self.blocks:
             x = run_block(blk, x, hw, self.grad_checkpointing)

@@ -74,6 +74,9 @@ class WindowAttention(Attention):
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, hw: Grid, attn_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
+        return window_attention(self, x, hw)
+
+    def forward_windows(self, x: torch.Tensor, hw: Grid) -> torch.Tensor:
         H, W = hw
         w = self.window
         if H % w or W % w:
@@ -102,5 +105,14 @@ class WindowAttention(Attention):
         w = self.window
         Hp, Wp = -(-H // w) * w, -(-W // w) * w
         x = F.pad(x.view(B, H, W, C), (0, 0, 0, Wp - W, 0, Hp - H))
-        y = self.forward(x.view(B, Hp * Wp, C), (Hp, Wp))
+        y = self.forward_windows(x.view(B, Hp * Wp, C), (Hp, Wp))
         return y.view(B, Hp, Wp, C)[:, :H, :W].reshape(B, H * W, C)
+
+
+def window_attention(attn: WindowAttention, x: torch.Tensor, hw: Grid) -> torch.Tensor:
+    """``attn(x, hw)``; one torch.fx graph node: the windows, their padding and the cached
+    masks depend on the grid."""
+    return attn.forward_windows(x, hw)
+
+
+torch.fx.wrap("window_attention")
