@@ -84,8 +84,9 @@ def test_feature_interfaces_behave_as_timms(ours, theirs, tmp_path):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         final, inter = model.forward_intermediates(x, 1)  # the last n, as timm reads an int
         ref_final, ref_inter = ref.forward_intermediates(x, 1)
-        if ref_final.ndim == 4:  # timm's Swin features are NHWC; ours are tokens (B, N, C)
-            ref_final = ref_final.flatten(1, 2)
+        # the final features in the same layout: ViT tokens, or Swin's NHWC map as timm's
+        assert final.shape == ref_final.shape
+        assert model.output_fmt == getattr(ref, "output_fmt", "NLC")  # timm's ViT: tokens
         torch.testing.assert_close(final, ref_final, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(inter[0], ref_inter[0], rtol=1e-4, atol=1e-5)
     path = str(tmp_path / "timm.pth")
