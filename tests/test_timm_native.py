@@ -119,6 +119,14 @@ def test_timm_arguments_mean_what_they_mean_in_lgvit(tmp_path):
         torch.testing.assert_close(new.forward_features(x), ours.forward_features(x))
 
 
+def test_timm_global_pool_argument():
+    m = timm.create_model("lsa_micro_cifar", num_classes=0, global_pool="").eval()
+    with torch.no_grad():
+        assert m(torch.randn(1, 3, 32, 32)).shape == (1, 4, 4, 160)  # the unpooled NHWC map
+    with pytest.raises(ValueError, match="global_pool"):
+        timm.create_model("lsa_micro_cifar", global_pool="max")
+
+
 def test_features_only_through_timm_is_timms_feature_api():
     fm = timm.create_model("lit_ti", features_only=True, out_indices=(1, 3), img_size=64)
     info = fm.feature_info

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from lgvit.models.base import POOLS
 from lgvit.models.registry import FeatureMaps, create_model, get_model_config, list_models
 
 TIMM_MODULE = "lgvit"  # timm.list_models(module="lgvit") lists them
@@ -71,6 +72,7 @@ def _entrypoint(name: str) -> Callable[..., nn.Module]:
         features_only = kwargs.pop("features_only", False)
         out_indices = kwargs.pop("out_indices", None)
         num_classes = kwargs.pop("num_classes", None)
+        global_pool = kwargs.pop("global_pool", None)  # timm's argument; a pooling, no weights
         kwargs.pop("pretrained_model_args", None)  # already merged into kwargs by timm
         given = pretrained_cfg if isinstance(pretrained_cfg, dict) else {}
         folder = _folder(given)
@@ -87,6 +89,10 @@ def _entrypoint(name: str) -> Callable[..., nn.Module]:
             if num_classes is None:
                 num_classes = given.get("num_classes")  # a saved folder's class count
             model = create_model(name, num_classes=num_classes, **kwargs)
+        if global_pool is not None:
+            if global_pool not in POOLS:
+                raise ValueError(f"global_pool {global_pool!r} is not one of {POOLS}")
+            model.global_pool = global_pool
         for key in ("mean", "std", "label_names", "crop_pct", "interpolation"):
             if given.get(key) is not None:  # what timm read from a saved folder
                 model.pretrained_cfg[key] = given[key]
