@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 # printed is the test top-1 accuracy.
 demo: $(STAMP)
 	rm -rf runs/demo
-	$(VENV)/bin/lgvit train --config configs/digits_lsa_micro_demo.yaml --out runs/demo
+	$(VENV)/bin/lgvit train --config digits_lsa_micro_demo --out runs/demo
 	$(VENV)/bin/lgvit eval --checkpoint runs/demo/last --data digits
 
 test: $(STAMP)

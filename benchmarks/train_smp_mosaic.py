@@ -1,10 +1,10 @@
 """A segmentation_models_pytorch model on an lgvit encoder, trained on the CIFAR-mosaic set with
-lgvit's own Semantic FPN CPU run's recipe (configs/cifar_mosaic_semfpn_lit_ti_cpu.yaml, read
+lgvit's own Semantic FPN CPU run's recipe (the shipped config cifar_mosaic_semfpn_lit_ti_cpu, read
 here): lgvit's loaders and augmentation, loss, AdamW, poly schedule, autocast and mIoU/mAcc/aAcc
 evaluation, the same functions the engine calls. Only the model differs, so this run's mIoU
 stands beside lgvit's Semantic FPN one (docs/results.md).
 
-    python benchmarks/make_cifar_mosaic.py ../shared/data/cifar10-jpeg.tar.gz /tmp/cifar_mosaic
+    python benchmarks/make_cifar_mosaic.py PATH/cifar10-jpeg.tar.gz /tmp/cifar_mosaic
     python benchmarks/train_smp_mosaic.py --data-dir /tmp/cifar_mosaic [--arch FPN|Unet]
         [--encoder lit_ti] [--iters 2000] [--batch-size 16] [--amp auto|bf16|fp32]
         [--eval-every-epochs 2] [--seed 0] [--out DIR]
@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 import lgvit  # noqa: F401  (registers every lgvit model in timm, where smp's tu- finds it)
-from lgvit.config import TrainConfig, load_config, scaled_lr
+from lgvit.config import TrainConfig, load_config, resolve_config, scaled_lr
 from lgvit.data.segmentation import SegAugment, SegEvalLoader, SegTrainLoader, load_seg_split
 from lgvit.dense.backbone import _is_swin_skeleton
 from lgvit.dense.evaluate import evaluate_segmentation, normalise
@@ -43,7 +43,7 @@ from lgvit.runtime import (
 from lgvit.segment import SegmentationTask, segmentation_loss
 
 METRICS = ("mIoU", "mAcc", "aAcc")  # lgvit.dense.evaluate.SegMetrics, as mmseg
-RECIPE = Path(__file__).resolve().parents[1] / "configs" / "cifar_mosaic_semfpn_lit_ti_cpu.yaml"
+RECIPE = resolve_config("cifar_mosaic_semfpn_lit_ti_cpu")  # a shipped config
 
 
 def build_model(arch: str, cfg: TrainConfig, num_classes: int) -> nn.Module:

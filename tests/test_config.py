@@ -223,7 +223,7 @@ def test_scaled_lr() -> None:
 # ------------------------------------------------------------------ the shipped configs
 
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).parent.parent / "src/lgvit/configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -610,7 +610,7 @@ def test_digits_without_sklearn(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
-    with pytest.raises(LgvitError, match="pip install scikit-learn"):
+    with pytest.raises(LgvitError, match=r'pip install "lgvit\[demo\]"'):
         load_dataset("digits")
 
 

@@ -132,6 +132,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_configs(args: argparse.Namespace) -> int:
+    from fnmatch import fnmatch
+
+    from lgvit.config import config_description, resolve_config, shipped_configs
+
+    if args.show:  # the file itself, to copy and edit: lgvit configs --show NAME > my.yaml
+        sys.stdout.write(resolve_config(args.show).read_text(encoding="utf-8"))
+        return 0
+    shipped = shipped_configs()
+    names = [n for n in shipped if not args.names or any(fnmatch(n, w) for w in args.names)]
+    if not names:
+        raise LgvitError(f"no shipped config matches {' '.join(args.names)}; `lgvit configs` "
+                         "lists them all")  # fmt: skip
+    width = max(map(len, names))
+    for n in names:
+        print(f"{n:{width}s}  {config_description(shipped[n])}")
+    # The hint goes to stderr: stdout stays one config per line for scripts.
+    print("use one: lgvit train --config NAME; see one: lgvit configs --show NAME",
+          file=sys.stderr)  # fmt: skip
+    return 0
+
+
 _OFF = object()  # a flag given as "none": the key is switched off
 
 
@@ -480,7 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, help="an iteration budget instead of --epochs")
     p.add_argument("--batch-size", type=int, help="per process")
     p.add_argument("--out", help="run directory (config, metrics.jsonl, checkpoints, log)")
-    p.add_argument("--config", help="YAML file of config keys (see configs/)")
+    p.add_argument("--config", help="a shipped config's name (`lgvit configs` lists them) "
+                   "or a YAML file of config keys")  # fmt: skip
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--resume", help="'auto' (the last checkpoint in --out) or a checkpoint")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "none"], nargs="?", const="auto",
@@ -492,6 +515,16 @@ def build_parser() -> argparse.ArgumentParser:
         names = [flag, "-j"] if flag == "--workers" else [flag]
         p.add_argument(*names, type=kind, help=text)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "configs",
+        help="the shipped training configs, one line each (lgvit train --config NAME)",
+        description="List the configs installed with lgvit: each name, for `lgvit train "
+        "--config NAME`, with the first line of its comment.",
+    )
+    p.add_argument("names", nargs="*", help="names or wildcards (default: all)")
+    p.add_argument("--show", metavar="NAME", help="print this config's YAML (to copy and edit)")
+    p.set_defaults(func=cmd_configs)
 
     p = sub.add_parser(
         "eval",

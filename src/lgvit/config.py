@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import reprlib
 import types
 import typing
@@ -39,13 +40,16 @@ __all__ = [
     "SEG_DATASETS",
     "TASKS",
     "TrainConfig",
+    "config_description",
     "config_from_dict",
     "config_keys",
     "config_to_dict",
     "load_config",
     "load_config_with_explicit",
+    "resolve_config",
     "save_config",
     "scaled_lr",
+    "shipped_configs",
     "validate_config",
 ]
 
@@ -366,12 +370,63 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+# --------------------------------------------------------------------------- shipped configs
+
+# Package data: the configs install with lgvit, so `--config NAME` works from a pip install too.
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+_SENTENCE_END = re.compile(r"[.;](\s|$)")
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The configs installed with lgvit, by name (the file name without ``.yaml``), sorted."""
+    return {p.stem: p for p in sorted(CONFIGS_DIR.glob("*.yaml"))}
+
+
+def config_description(path: str | Path) -> str:
+    """A config's one-line description: its first comment line up to the first sentence's end
+    ('' when the file starts with no comment)."""
+    with open(path, encoding="utf-8") as f:
+        first = f.readline()
+    if not first.startswith("#"):
+        return ""
+    text = first.lstrip("#").strip()
+    end = _SENTENCE_END.search(text)
+    return text[: end.start()] if end else text
+
+
+def resolve_config(spec: str | Path) -> Path:
+    """The YAML file a ``--config`` value names: an existing file (a path wins), else a shipped
+    config's name, with or without ``.yaml``. Anything else is a one-line error."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    text = str(spec)
+    name = text.removesuffix(".yaml").removesuffix(".yml")
+    shipped = shipped_configs()
+    bare = path.name == text  # no folder in it: may be a shipped name
+    if bare and name in shipped:
+        return shipped[name]
+    if path.exists():
+        raise LgvitError(f"{text}: not a config file")
+    stem = Path(name).name
+    if not bare and stem in shipped:  # configs/X.yaml, where checkouts kept them before
+        raise LgvitError(f"{text}: no such config file; the shipped one is --config {stem}")
+    what = ""
+    if bare:
+        close = difflib.get_close_matches(name, shipped, n=1, cutoff=0.6)
+        what = " or shipped config" + (f" (did you mean {close[0]}?)" if close else "")
+    raise LgvitError(
+        f"{text}: no such config file{what}; `lgvit configs` lists the shipped configs"
+    )
+
+
 # --------------------------------------------------------------------------- public API
 
 
 def load_config(path: str | Path | None, overrides: Iterable[str] = (), **cli: Any) -> TrainConfig:
-    """Defaults, then the YAML file at ``path``, then ``cli`` keywords that are not None, then
-    ``--set key=value`` ``overrides`` (last wins). The result is validated."""
+    """Defaults, then the YAML file at ``path`` (a file, or a shipped config's name:
+    :func:`resolve_config`), then ``cli`` keywords that are not None, then ``--set key=value``
+    ``overrides`` (last wins). The result is validated."""
     return load_config_with_explicit(path, overrides, **cli)[0]
 
 
@@ -383,7 +438,7 @@ def load_config_with_explicit(
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     if path is not None:
-        p = Path(path)
+        p = resolve_config(path)
         for key, value in _read_yaml(p).items():
             name = key if isinstance(key, str) else _short(key)
             _set_value(values, sources, key, value, str(p), f"{p}: {name}={_short(value)}")

@@ -38,7 +38,9 @@ def load_digits(size: int) -> DatasetSplits:
     try:
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError as e:
-        raise LgvitError("the digits dataset needs scikit-learn: pip install scikit-learn") from e
+        raise LgvitError(  # scikit-learn ships the digits; the demo extra installs it
+            'the digits dataset needs scikit-learn: pip install "lgvit[demo]"'
+        ) from e
     bunch = sklearn_digits()
     raw = np.asarray(bunch.images, dtype=np.float64)  # (1797, 8, 8), values 0..16
     labels = np.asarray(bunch.target, dtype=np.int64)
