@@ -1,6 +1,6 @@
 """Object detection and instance segmentation on the shared run (:mod:`lgvit.engine`):
 torchvision's RetinaNet and Mask R-CNN on any pyramid model, LIT's COCO 1x recipe
-(configs/coco_*.yaml).
+(the shipped configs coco_*).
 
 The task brings the detector (:mod:`lgvit.dense.detection`), COCO data read with pycocotools
 (:mod:`lgvit.data.coco`), the detector's own losses and COCOeval (:mod:`lgvit.dense.coco_eval`);

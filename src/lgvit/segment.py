@@ -1,5 +1,5 @@
 """Semantic segmentation on the shared run (:mod:`lgvit.engine`): Semantic FPN on any pyramid
-model, LIT's ADE20K recipe (configs/ade20k_semfpn_*.yaml).
+model, LIT's ADE20K recipe (the shipped configs ade20k_semfpn_*).
 
 The task brings the segmenter (:mod:`lgvit.dense`), the data and mmseg's pipelines
 (:mod:`lgvit.data.segmentation`), the per-pixel cross-entropy and mIoU evaluation
