@@ -325,7 +325,7 @@ def test_create_model_checkpoint_path_carries_normalisation(tmp_path):
         torch.testing.assert_close(loaded.eval()(x), m(x))
     ready = load_model(str(tmp_path / "best"), device="cpu")
     assert not ready.training and ready.pretrained_cfg["std"] == (0.5, 0.5, 0.5)
-    with pytest.raises(LgvitError, match="bundles and downloads no weights"):
+    with pytest.raises(LgvitError, match="no released classification weights to download"):
         lgvit.create_model("lsa_micro_cifar", pretrained=True)
     with pytest.raises(LgvitError, match="3-class head"):
         lgvit.create_model(

@@ -38,12 +38,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     for n in names:
         expanded += [n] if is_model(n) else list_models(n)
     rows = [model_info(n) for n in expanded]
+    for r in rows:
+        r["weights"] = _released_weights(r["name"])
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     head = (
         f"{'model':28s} {'input':>6s} {'params(M)':>9s} {'paper':>7s} {'MACs(G)':>8s} "
-        f"{'paper':>6s} {'paper top-1':>12s}"
+        f"{'paper':>6s} {'paper top-1':>12s}  {'weights':s}"
     )
     print(head)
     print("-" * len(head))
@@ -55,14 +57,28 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(
             f"{r['name']:28s} {r['input_size'][1]:>4d}px {r['params_m']:9.2f} "
             f"{_fmt(paper_params):>7s} {r['macs_g']:8.2f} {_fmt(p.get('macs_g')):>6s} "
-            f"{(_fmt(top1) + ' ' + where) if top1 else '-':>12s}"
+            f"{(_fmt(top1) + ' ' + where) if top1 else '-':>12s}  "
+            f"{' '.join(dict.fromkeys(t.split('_')[0] for t in r['weights'])) or '-'}"
         )
     print(
         "MACs: FlopCounterMode total / 2 (matmuls, convs, attention) at the default input size,\n"
         "batch 1. The LSA paper's ImageNet FLOPs count only one of the T embedding convs, so\n"
-        "they undercount."
+        "they undercount. weights: the authors' released weights (`lgvit weights list`)."
     )
     return 0
+
+
+def _released_weights(name: str) -> list[str]:
+    """The tags of ``name``'s released weights (``lgvit weights list``)."""
+    from lgvit.models.weights import weights_of
+
+    return [w.tag for w in weights_of(name)]
+
+
+def cmd_weights(args: argparse.Namespace) -> int:
+    from lgvit.weights_cli import run
+
+    return run(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -310,11 +326,12 @@ def _dense_task(args: argparse.Namespace) -> str | None:
     """``segmentation`` or ``detection``: what the checkpoint's metadata says, else what the
     data (or ``--detector``) implies; None for classification."""
     from lgvit.checkpoint import load_metadata
+    from lgvit.models.weights import find_weights
 
     try:
         task = load_metadata(args.checkpoint).get("task")
-    except LgvitError:
-        task = None
+    except LgvitError:  # not an lgvit file: released weights by name say their task
+        task = getattr(find_weights(args.checkpoint), "task", None)
     if task in ("segmentation", "detection"):
         return task
     data = getattr(args, "data", None)
@@ -405,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", help="model names or wildcards (default: all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_info)
+    _add_weights(sub)
 
     from lgvit.bench import DEFAULT_BATCH
     from lgvit.bench import __doc__ as bench_doc
@@ -625,6 +643,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="the architecture of a .pth state dict (e.g. lit_ti)")
     p.set_defaults(func=cmd_viz)
     return parser
+
+
+def _add_weights(sub: Any) -> None:
+    p = sub.add_parser(
+        "weights",
+        help="the authors' released weights: list, download (once, cached), convert",
+        description="Released weights by name (model.tag, timm's form): create_model(name, "
+        "pretrained=True) and --checkpoint NAME.TAG download them once into the cache "
+        "($LGVIT_WEIGHTS_DIR, else torch hub's checkpoints folder).",
+    )
+    ws = p.add_subparsers(dest="weights_command", required=True)
+    q = ws.add_parser("list", help="every released file: task, reported accuracy, licence")
+    q.add_argument("--json", action="store_true", help="machine-readable output")
+    q.add_argument("--cache-dir", help="weights cache (default: $LGVIT_WEIGHTS_DIR or torch's)")
+    q = ws.add_parser("download", help="download and check weights; prints each file's path")
+    q.add_argument("names", nargs="+", metavar="NAME[.TAG]",
+                   help="lit_ti, lit_ti.coco_maskrcnn_authors, ...")  # fmt: skip
+    q.add_argument("--cache-dir", help="weights cache (default: $LGVIT_WEIGHTS_DIR or torch's)")
+    q = ws.add_parser("convert", help="to the hub layout: model.safetensors, config.json and a "
+                      "README.md model card")  # fmt: skip
+    q.add_argument("source", help="released weights (NAME.TAG) or a .pth file (with --model)")
+    q.add_argument("--model", help="the architecture of a file (e.g. lit_ti)")
+    q.add_argument("--out", required=True, help="the folder to write")
+    p.set_defaults(func=cmd_weights)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -42,7 +42,8 @@ def load_model(
     img_size: int | None = None,
 ) -> nn.Module:
     """An eval-mode model on ``device`` from an lgvit checkpoint (``runs/x/best``, a
-    ``.safetensors``) or a ``.pth`` state dict (then ``model_name`` is needed).
+    ``.safetensors``) or a ``.pth`` state dict (then ``model_name`` is needed), or released
+    weights by name (``lit_ti.in1k_authors``: downloaded once, see ``lgvit weights list``).
 
     The model name, input size, class names and normalisation come from the checkpoint's
     metadata; ``model.pretrained_cfg`` carries them (``mean``, ``std``, ``label_names``,
@@ -52,6 +53,11 @@ def load_model(
     from lgvit.checkpoint import load_metadata
     from lgvit.models import create_model, is_model
 
+    released = _released(checkpoint, model_name)
+    if released is not None:
+        kwargs = {"img_size": img_size} if img_size is not None else {}
+        model = create_model(released, pretrained=True, **kwargs)
+        return model.to(resolve_device(device)).eval()
     try:
         meta = load_metadata(checkpoint)
     except LgvitError:
@@ -83,6 +89,22 @@ def load_model(
 
     check_finite_weights(model, checkpoint)  # a diverged run's NaNs would only predict NaN
     return model.to(resolve_device(device)).eval()
+
+
+def _released(checkpoint: str, model_name: str | None) -> str | None:
+    """``checkpoint`` when it names released classification weights (``model.tag``) and is
+    not a file; ``--model``, when given, must be theirs."""
+    from lgvit.models.weights import find_weights
+
+    w = find_weights(str(checkpoint))
+    if w is None or Path(checkpoint).exists():
+        return None
+    if w.task != "classification":
+        raise LgvitError(f"{checkpoint} are {w.task} weights, not a classification model's")
+    if model_name is not None and model_name != w.model:
+        raise LgvitError(f"{checkpoint} are the weights of {w.model}, but --model {model_name} "
+                         "was given")  # fmt: skip
+    return w.name
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,8 @@ def load_detector(
     """An eval-mode detector from an lgvit detection checkpoint (its metadata names the
     detector, backbone, classes and COCO category ids, sizes) or from the LIT authors' mmdet
     ``.pth`` (``model_name`` the backbone, ``detector`` retinanet or maskrcnn; COCO's 80
-    classes). ``model.det_info``: ``classes``, ``cat_ids``, ``label_offset``."""
+    classes), or their released file by name (``lit_ti.coco_retinanet_authors``, downloaded
+    once). ``model.det_info``: ``classes``, ``cat_ids``, ``label_offset``."""
     from lgvit.checkpoint import (
         check_dense_metadata,
         check_finite_weights,
@@ -155,8 +156,15 @@ def load_detector(
     from lgvit.data.coco import COCO_CAT_IDS, COCO_CLASSES
     from lgvit.dense.detection import create_detector
     from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
+    from lgvit.dense.pretrained import released_checkpoint
     from lgvit.inference import resolve_device
 
+    released = released_checkpoint(
+        checkpoint, "detection", lambda w: create_detector(w.detector, w.model, w.num_classes),
+        model_name, detector,
+    )  # fmt: skip
+    if released is not None:  # a name: the cached file, its backbone and detector
+        checkpoint, model_name, detector = released[0], released[1].model, released[1].detector
     try:
         meta = load_metadata(checkpoint)
     except LgvitError:

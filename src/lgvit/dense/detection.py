@@ -142,15 +142,34 @@ def create_detector(
     checkpoint_path: str | None = None,
     min_size: int = DETECTION_SIZE,
     max_size: int = 1333,
+    pretrained: bool = False,
+    cache_dir: str | None = None,
     **backbone_kwargs: Any,
 ) -> nn.Module:
     """``retinanet`` or ``maskrcnn`` (torchvision's) on a registered pyramid model.
 
     ``num_classes`` counts object classes (COCO: 80); Mask R-CNN adds torchvision's background
     class 0 in front. ``checkpoint_path``: the backbone's classification weights.
+    ``pretrained``: the whole detector with the authors' released COCO weights for ``backbone``
+    (``lit_ti``, or ``lit_ti.coco_retinanet_authors``), downloaded once into the weights cache
+    (``cache_dir``, default ``$LGVIT_WEIGHTS_DIR`` or torch hub's).
     """
     if kind not in DETECTORS:
         raise LgvitError(f"detector {kind!r} is not one of {', '.join(DETECTORS)}")
+    if pretrained:
+        from lgvit.dense.pretrained import check_classes, create_released
+        from lgvit.models.weights import resolve_weights
+
+        w = resolve_weights(backbone, "detection", kind)
+        check_classes(w, num_classes)
+        if checkpoint_path is not None:
+            raise LgvitError("create_detector: pretrained=True loads the whole detector; "
+                             "checkpoint_path (backbone weights) would be overwritten")  # fmt: skip
+        return create_released(
+            w, lambda **kw: create_detector(kind, w.model, w.num_classes, min_size=min_size,
+                                            max_size=max_size, **kw),
+            backbone_kwargs, cache_dir,
+        )  # fmt: skip
     backbone_kwargs.setdefault("img_size", DETECTION_SIZE)  # LIT-S's tables: 800 // 4
     common = dict(min_size=min_size, max_size=max_size, image_mean=[0.485, 0.456, 0.406],
                   image_std=[0.229, 0.224, 0.225])  # fmt: skip

@@ -131,7 +131,8 @@ def load_segmenter(
 ) -> nn.Module:
     """An eval-mode :class:`~lgvit.dense.semfpn.SemanticFPN` from an lgvit segmentation
     checkpoint (its metadata names the backbone, classes, sizes) or from the LIT authors'
-    mmseg ``.pth`` (``model_name`` = the backbone, e.g. ``lit_ti``; ADE20K's 150 classes).
+    mmseg ``.pth`` (``model_name`` = the backbone, e.g. ``lit_ti``; ADE20K's 150 classes), or
+    their released file by name (``lit_ti.ade20k_semfpn_authors``, downloaded once).
 
     ``model.seg_info`` holds what prediction needs: ``classes``, ``mean``, ``std``,
     ``scale``."""
@@ -144,9 +145,15 @@ def load_segmenter(
     )
     from lgvit.data.segmentation import ADE20K_CLASSES
     from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
+    from lgvit.dense.pretrained import released_checkpoint
     from lgvit.dense.semfpn import create_segmenter
     from lgvit.inference import resolve_device
 
+    released = released_checkpoint(
+        checkpoint, "segmentation", lambda w: create_segmenter(w.model, w.num_classes), model_name
+    )
+    if released is not None:  # a name: the cached file, its backbone
+        checkpoint, model_name = released[0], released[1].model
     try:
         meta = load_metadata(checkpoint)
     except LgvitError:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torchvision.ops import Conv2dNormActivation, FeaturePyramidNetwork
 
 from lgvit.dense.backbone import DenseBackbone, create_backbone
+from lgvit.errors import LgvitError
 
 
 class Upsample2x(nn.Module):
@@ -116,16 +117,39 @@ class SemanticFPN(nn.Module):
 
 def create_segmenter(
     backbone: str,
-    num_classes: int,
+    num_classes: int | None = None,
     *,
     checkpoint_path: str | None = None,
     sync_bn: bool = False,
+    pretrained: bool = False,
+    cache_dir: str | None = None,
     **backbone_kwargs: Any,
 ) -> SemanticFPN:
     """Semantic FPN on a registered pyramid model (``checkpoint_path``: its classification
-    weights). ``sync_bn``: the head's BatchNorms as ``SyncBatchNorm`` (multi-process runs)."""
-    bb = create_backbone(backbone, checkpoint_path=checkpoint_path, **backbone_kwargs)
-    model = SemanticFPN(bb, num_classes)
+    weights). ``sync_bn``: the head's BatchNorms as ``SyncBatchNorm`` (multi-process runs).
+
+    ``pretrained``: the whole segmenter with the authors' released weights for ``backbone``
+    (``lit_ti``, or ``lit_ti.ade20k_semfpn_authors``: ADE20K, 150 classes), downloaded once
+    into the weights cache (``cache_dir``, default ``$LGVIT_WEIGHTS_DIR`` or torch hub's)."""
+    if pretrained:
+        from lgvit.dense.pretrained import check_classes, create_released
+        from lgvit.models.weights import resolve_weights
+
+        w = resolve_weights(backbone, "segmentation")
+        check_classes(w, num_classes)
+        if checkpoint_path is not None:
+            raise LgvitError("create_segmenter: pretrained=True loads the whole segmenter; "
+                             "checkpoint_path (backbone weights) would be overwritten")  # fmt: skip
+        model = create_released(
+            w, lambda **kw: create_segmenter(w.model, w.num_classes, **kw), backbone_kwargs,
+            cache_dir,
+        )  # fmt: skip
+    elif num_classes is None:
+        raise LgvitError("create_segmenter: num_classes is needed (pretrained=True takes the "
+                         "released weights' classes)")  # fmt: skip
+    else:
+        bb = create_backbone(backbone, checkpoint_path=checkpoint_path, **backbone_kwargs)
+        model = SemanticFPN(bb, num_classes)
     if sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return model

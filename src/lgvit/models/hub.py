@@ -5,7 +5,8 @@
 - ``save_pretrained(model, DIR)`` (also ``model.save_pretrained(DIR)``) writes it;
 - ``create_model("local-dir:DIR")`` builds the architecture named in it and loads the weights;
 - ``create_model("hf-hub:ORG/NAME")`` and ``push_to_hub(model, "ORG/NAME")`` do the same through
-  ``huggingface_hub`` when it is installed and the hub can be reached.
+  ``huggingface_hub`` when it is installed and the hub can be reached; ``push_to_hub`` adds a
+  ``README.md`` model card (:func:`model_card`: licence, paper, source, reported accuracy).
 
 This module only reads and writes the layout; building the model is the registry's
 (``create_model``), so nothing here imports it. Loading never runs code from the folder:
@@ -29,10 +30,13 @@ from lgvit.errors import LgvitError, first_line
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 # pretrained_cfg keys written to config.json (timm's); the rest of ours stays in the package.
+# Where released weights came from (timm's keys), kept so a folder's model card can say it.
+_SOURCE_KEYS = ("tag", "license", "origin_url", "paper_ids", "paper_name")
 _CFG_KEYS = (
     "input_size", "mean", "std", "crop_pct", "interpolation", "num_classes", "first_conv",
-    "classifier", "fixed_input_size", "label_names", "dataset",
+    "classifier", "fixed_input_size", "label_names", "dataset", *_SOURCE_KEYS,
 )  # fmt: skip
+CARD_NAME = "README.md"
 
 
 def _json_ready(value: Any) -> bool:
@@ -138,7 +142,7 @@ def apply_saved_cfg(model: nn.Module, config: dict[str, Any], source: str) -> No
     for key in ("mean", "std", "input_size"):
         if key in cfg:
             model.pretrained_cfg[key] = tuple(cfg[key])
-    for key in ("crop_pct", "interpolation", "label_names", "dataset"):
+    for key in ("crop_pct", "interpolation", "label_names", "dataset", *_SOURCE_KEYS):
         if key in cfg:
             model.pretrained_cfg[key] = cfg[key]
     model.pretrained_cfg["source"] = source
@@ -168,6 +172,65 @@ def download(repo_id: str, revision: str | None = None) -> Path:
     return folder
 
 
+def model_card(model: nn.Module, source: str | None = None, sha256: str | None = None) -> str:
+    """A ``README.md`` model card for a ``save_pretrained`` folder: licence, paper, source and
+    the accuracy its authors report when the weights are released ones (their ``tag`` in
+    :mod:`lgvit.models.weights`), and how the file was converted (``source``: the file or URL
+    read, ``sha256``: its hash)."""
+    from lgvit.models.weights import find_weights
+
+    cfg = getattr(model, "pretrained_cfg", {})
+    arch = getattr(model, "model_name", None) or cfg.get("architecture", "model")
+    w = find_weights(f"{arch}.{cfg.get('tag')}") if cfg.get("tag") else None
+    if w and cfg.get("num_classes") != w.num_classes:  # a new head on their weights
+        title = f"{arch} (from {w.name}, new {cfg.get('num_classes')}-class head)"
+    else:
+        title = w.name if w else arch
+    front = ["---", *([f"license: {w.license}"] if w else []), "library_name: lgvit", "tags:",
+             "- image-classification", "- lgvit", "- timm"]  # fmt: skip
+    if cfg.get("dataset"):
+        front += ["datasets:", f"- {cfg['dataset']}"]
+    front.append("---")
+    n_params = sum(p.numel() for p in model.parameters()) / 1e6
+    size = cfg.get("input_size", (3, 0, 0))
+    rows = [("architecture", f"`{arch}` (lgvit)"), ("parameters", f"{n_params:.2f} M"),
+            ("input size", f"{size[1]} x {size[2]}"),
+            ("classes", f"{cfg.get('num_classes')} ({cfg.get('dataset', 'unknown')})")]  # fmt: skip
+    if w:
+        rows += [("reported accuracy", f"{w.describe_metrics()} (of the released weights, "
+                  "from the authors' README; not re-measured here)"),
+                 ("licence", f"{w.license} (the authors' repository; the dataset's terms may "
+                  "also apply)"),
+                 ("released file", w.url), ("authors' repository", w.origin_url),
+                 ("paper", f"{w.paper_name} ({w.paper_ids})")]  # fmt: skip
+    text = [*front, "", f"# {title}", "", "| | |", "| --- | --- |"]
+    text += [f"| {k} | {v} |" for k, v in rows]
+    how = ("The file was read with `torch.load(weights_only=True)` (objects that are not plain "
+           "data are never imported or run), its keys mapped to lgvit's names and loaded "
+           "strictly, then written by lgvit's `save_pretrained` as `model.safetensors` and "
+           f"`{CONFIG_NAME}`.")  # fmt: skip
+    if source:
+        hashed = f" (sha256 `{sha256}`)" if sha256 else ""
+        how = f"Converted from `{source}`{hashed}. {how}"
+    text += ["", "## How it was made", "", how, "", "## Use", "", "```python", "import lgvit",
+             "", 'model = lgvit.create_model("local-dir:THIS_FOLDER")  # or "hf-hub:ORG/NAME"',
+             "# with timm: import lgvit, timm; timm.create_model(\"hf-hub:ORG/NAME\", "
+             "pretrained=True)", "```"]  # fmt: skip
+    if w and w.notes:
+        text += ["", f"Note: {w.notes}"]
+    return "\n".join(text) + "\n"
+
+
+def write_model_card(
+    model: nn.Module, directory: str | os.PathLike, source: str | None = None,
+    sha256: str | None = None,
+) -> Path:  # fmt: skip
+    """Write :func:`model_card` as ``README.md`` in ``directory`` (atomically)."""
+    path = Path(directory) / CARD_NAME
+    atomic_write_bytes(path, model_card(model, source, sha256).encode("utf-8"))
+    return path
+
+
 def push_to_hub(
     model: nn.Module, repo_id: str, private: bool = False, commit_message: str = "Add model"
 ) -> str:
@@ -175,6 +238,7 @@ def push_to_hub(
     hub = _hub()
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
+        write_model_card(model, tmp)
         api = hub.HfApi()
         api.create_repo(repo_id, private=private, exist_ok=True)
         info = api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message)

@@ -194,12 +194,18 @@ def create_model(
     features_only: bool = False,
     out_indices: int | Sequence[int] | None = None,
     pretrained_cfg_overlay: dict[str, Any] | None = None,
+    cache_dir: str | None = None,
     **overrides: Any,
 ) -> nn.Module:
     """Build a registered model (timm's ``create_model``).
 
     Args:
-        pretrained: lgvit downloads nothing; pretrained weights come from ``checkpoint_path``.
+        name: a registered name, or ``name.tag`` (timm's form) for one of its released weights
+            (``lgvit weights list``).
+        pretrained: load the authors' released weights (the tag's, else the model's default),
+            downloaded once into the weights cache (:mod:`lgvit.models.download`); with another
+            ``num_classes`` the weights load and a new classifier replaces theirs (timm's rule).
+            A model without released weights is one line naming those with them.
         num_classes: the classifier size (default: the config's, or the checkpoint's).
         checkpoint_path: weights to load: an lgvit checkpoint (``runs/x/best``, a
             ``.safetensors``) or a ``.pth``/``.pt`` state dict -- including the authors'
@@ -208,6 +214,8 @@ def create_model(
         features_only: return a module whose forward gives the list of feature maps
             (``out_indices`` chooses which; default every stage), with ``feature_info``.
         pretrained_cfg_overlay: timm's; ``dict(file=PATH)`` with ``pretrained=True`` loads PATH.
+        cache_dir: the weights cache for ``pretrained`` (default ``$LGVIT_WEIGHTS_DIR``, else
+            torch hub's checkpoint folder).
         overrides: architecture arguments (``img_size=64``, ``drop_path_rate=0.2``, ...).
 
     ``name`` may also be ``local-dir:DIR`` (a folder written by ``save_pretrained``) or
@@ -222,15 +230,18 @@ def create_model(
             overrides["num_classes"] = num_classes
         model = _create_from_folder(name, **overrides)
         return FeatureMaps(model, out_indices) if features_only else model
-    _check_name(name)
-    cfg = _CONFIGS[name]
     if pretrained and checkpoint_path is None and (pretrained_cfg_overlay or {}).get("file"):
         checkpoint_path = str(pretrained_cfg_overlay["file"])
     if pretrained and checkpoint_path is None:
-        raise LgvitError(
-            f"{name}: lgvit bundles and downloads no weights; pass checkpoint_path=FILE "
-            "(an lgvit checkpoint or the authors' released .pth)"
-        )
+        model = _create_pretrained(name, num_classes, cache_dir, overrides)
+        return FeatureMaps(model, out_indices) if features_only else model
+    if "." in name:  # name.tag without pretrained: the architecture (the tag must exist)
+        from lgvit.models.weights import find_weights, resolve_weights
+
+        _check_name(name.partition(".")[0])
+        name = (find_weights(name) or resolve_weights(name)).model
+    _check_name(name)
+    cfg = _CONFIGS[name]
     weights, meta = None, {}
     if checkpoint_path is not None:
         from lgvit.checkpoint import check_model_metadata, load_metadata, load_weights
@@ -273,6 +284,29 @@ def create_model(
     model.model_name = name
     if features_only:
         return FeatureMaps(model, out_indices)
+    return model
+
+
+def _create_pretrained(
+    name: str, num_classes: int | None, cache_dir: str | None, overrides: dict[str, Any]
+) -> nn.Module:
+    """``name`` (``model`` or ``model.tag``) with its released weights from the cache. A fresh
+    download is checked on the model as registered (so an architecture argument of the caller's
+    never condemns a good file); that model is kept when the caller asked for no other."""
+    from lgvit.models.download import fetch, quiet_left_out
+    from lgvit.models.weights import resolve_weights
+
+    _check_name(name.partition(".")[0])
+    w = resolve_weights(name)
+    got = fetch(w, lambda path: create_model(w.model, checkpoint_path=str(path)), cache_dir)
+    if got.built is not None and not overrides:
+        model = got.built
+    else:
+        with quiet_left_out():
+            model = create_model(w.model, checkpoint_path=str(got.path), **overrides)
+    if num_classes is not None and num_classes != model.num_classes:
+        model.reset_classifier(num_classes)  # timm's meaning: their weights, a new classifier
+    model.pretrained_cfg.update(w.pretrained_cfg(), num_classes=model.num_classes)
     return model
 
 

@@ -9,6 +9,9 @@ nothing happens. :func:`register_in_timm` does the same explicitly.
 Each registered entrypoint builds the model with :func:`lgvit.create_model`, so timm's arguments
 mean what they mean in lgvit (``num_classes``, ``features_only``, ``out_indices``, ``img_size``,
 ``in_chans``, ``drop_path_rate``, ``global_pool``, ``pretrained_cfg_overlay=dict(file=...)``).
+``timm.create_model(name, pretrained=True)`` (or ``"name.tag"``) loads the authors' released
+weights through lgvit's download cache (timm's ``cache_dir`` is its folder); each released file
+is a pretrained tag in timm's registry (``timm.list_pretrained("lit_*")``).
 timm's own ``checkpoint_path`` loads through ``model.load_state_dict``, which maps the authors'
 checkpoint layouts (:meth:`StagedViT.load_state_dict`). ``timm.create_model('local-dir:DIR',
 pretrained=True)`` and ``hf-hub:`` read the folders :meth:`save_pretrained` writes.
@@ -46,6 +49,34 @@ def timm_pretrained_cfg(name: str) -> dict[str, Any]:
     return out
 
 
+def timm_default_cfgs(names: list[str]) -> dict[str, Any]:
+    """timm's ``DefaultCfg`` per model: one tag per released classification weights
+    (:mod:`lgvit.models.weights`; the first is the default), else the untagged config."""
+    from timm.models import generate_default_cfgs
+
+    from lgvit.models.weights import weights_of
+
+    cfgs: dict[str, dict[str, Any]] = {}
+    for n in names:
+        released = [w for w in weights_of(n) if w.task == "classification"]
+        for w in released:
+            cfgs[w.name] = {**timm_pretrained_cfg(n), **w.pretrained_cfg()}
+        if not released:
+            cfgs[n] = timm_pretrained_cfg(n)
+    return dict(generate_default_cfgs(cfgs))
+
+
+def _tag(pretrained_cfg: Any) -> str | None:
+    """The pretrained tag timm hands over: ``create_model("name.tag")`` passes it as a string;
+    a ``PretrainedCfg`` or dict carries it as ``tag``."""
+    if isinstance(pretrained_cfg, str):
+        return pretrained_cfg or None
+    tag = getattr(pretrained_cfg, "tag", None)
+    if tag is None and isinstance(pretrained_cfg, dict):
+        tag = pretrained_cfg.get("tag")
+    return tag or None
+
+
 def _folder(cfg: dict[str, Any]) -> str | None:
     """``local-dir:DIR`` / ``hf-hub:ORG/NAME`` when timm hands over a saved folder's config."""
     if cfg.get("source") == "local-dir" and cfg.get("file"):
@@ -76,12 +107,15 @@ def _entrypoint(name: str) -> Callable[..., nn.Module]:
         kwargs.pop("pretrained_model_args", None)  # already merged into kwargs by timm
         given = pretrained_cfg if isinstance(pretrained_cfg, dict) else {}
         folder = _folder(given)
+        tag = None if folder else _tag(pretrained_cfg)
         if pretrained:
-            # timm's meaning: the weights, then a new classifier if another class count is
+            # timm's meaning: the weights (a folder's, a file's, or the released ones of the
+            # tag, downloaded into cache_dir), then a new classifier if another class count is
             # asked for (lgvit's checkpoint_path refuses that instead).
             model = create_model(
-                folder or name, pretrained=folder is None,
-                pretrained_cfg_overlay=pretrained_cfg_overlay, **kwargs,
+                folder or (f"{name}.{tag}" if tag else name), pretrained=folder is None,
+                pretrained_cfg_overlay=pretrained_cfg_overlay,
+                cache_dir=None if cache_dir is None else str(cache_dir), **kwargs,
             )  # fmt: skip
             if num_classes is not None and num_classes != model.num_classes:
                 model.reset_classifier(num_classes)
@@ -114,7 +148,7 @@ def register_in_timm() -> list[str]:
         return []
     mod = sys.modules[__name__]
     names = [n for n in list_models() if n not in reg._model_entrypoints]
-    mod.default_cfgs = {n: timm_pretrained_cfg(n) for n in names}  # read by register_model
+    mod.default_cfgs = timm_default_cfgs(names)  # read by register_model
     for n in names:
         fn = _entrypoint(n)
         setattr(mod, n, fn)

@@ -1,0 +1,101 @@
+"""The LIT authors' released detectors and segmenters, by name: downloaded once into the weights
+cache (:mod:`lgvit.models.download`), mapped from mmdetection's / mmsegmentation's layout and
+loaded strictly.
+
+``create_detector(kind, backbone, pretrained=True)`` and ``create_segmenter(backbone,
+pretrained=True)`` come here (:func:`create_released`), and so does a checkpoint given by name
+(``lit_ti.coco_maskrcnn_authors``) to ``lgvit eval`` / ``predict`` (:func:`released_checkpoint`).
+The builders are passed in: this module imports neither detection nor semfpn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.nn as nn
+
+from lgvit.errors import LgvitError
+from lgvit.models.weights import Weights, find_weights
+
+
+def load_dense_file(model: nn.Module, path: str | Path, task: str, what: str) -> None:
+    """Load a dense checkpoint file into ``model`` strictly: an lgvit one as it is, the authors'
+    mmdet (``task`` detection) or mmseg (segmentation) layout mapped first; non-finite weights
+    refused."""
+    from lgvit.checkpoint import check_finite_weights, load_into, load_weights
+    from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
+    from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
+
+    weights = load_weights(path)
+    if task == "detection" and is_mmdet_layout(weights):
+        weights = mmdet_to_lgvit(weights, model, str(path))
+    elif task == "segmentation" and is_mmseg_layout(weights):
+        weights = mmseg_to_lgvit(weights, model, str(path))
+    load_into(model, weights, str(path), what)
+    check_finite_weights(model, path)
+
+
+def _what(w: Weights) -> str:
+    return f"{w.detector} on {w.model}" if w.task == "detection" else f"Semantic FPN on {w.model}"
+
+
+def check_classes(w: Weights, num_classes: int | None) -> None:
+    """Released dense weights keep their classes: another count is refused (fine-tune instead)."""
+    if num_classes is not None and num_classes != w.num_classes:
+        raise LgvitError(
+            f"{w.name} has {w.num_classes} classes ({w.dataset}) but num_classes={num_classes} "
+            f"was asked for; fine-tune from it (lgvit train --initial-checkpoint FILE, the file "
+            "`lgvit weights download` prints) or leave num_classes out"
+        )
+
+
+def create_released(
+    w: Weights, build: Callable[..., nn.Module], kwargs: dict[str, Any],
+    cache_dir: str | None = None,
+) -> nn.Module:  # fmt: skip
+    """The dense model of ``w`` with its weights: ``build(**kwargs)`` makes the architecture. A
+    fresh download is checked on ``build()`` (the defaults), kept as the result when ``kwargs``
+    asks for nothing else."""
+    from lgvit.models.download import fetch, quiet_left_out
+
+    def verify(path: Path) -> nn.Module:
+        model = build()
+        load_dense_file(model, path, w.task, _what(w))
+        return model
+
+    got = fetch(w, verify, cache_dir)
+    if got.built is not None and not kwargs:
+        model = got.built
+    else:
+        model = build(**kwargs)
+        with quiet_left_out():
+            load_dense_file(model, got.path, w.task, _what(w))
+    model.pretrained_cfg = {**model.pretrained_cfg, **w.pretrained_cfg()}
+    return model
+
+
+def released_checkpoint(
+    spec: str, task: str, build: Callable[[Weights], nn.Module], model_name: str | None = None,
+    detector: str | None = None,
+) -> tuple[str, Weights] | None:  # fmt: skip
+    """A checkpoint given by name (``model.tag`` of :mod:`lgvit.models.weights`): its cached
+    file (downloaded first if needed, and checked on ``build(entry)``) and its entry; None when
+    ``spec`` is a file or no such name. ``--model`` / ``--detector``, when given, must be the
+    entry's."""
+    w = find_weights(spec)
+    if w is None or Path(spec).exists():
+        return None
+    if w.task != task:
+        raise LgvitError(f"{spec} are {w.task} weights, not {task} ones")
+    for flag, given, want in (("--model", model_name, w.model), ("--detector", detector,
+                                                                w.detector)):  # fmt: skip
+        if given is not None and want is not None and given != want:
+            raise LgvitError(f"{spec} are the weights of {want}, but {flag} {given} was given")
+    from lgvit.models.download import fetch
+
+    def verify(path: Path) -> None:
+        load_dense_file(build(w), path, w.task, _what(w))
+
+    return str(fetch(w, verify).path), w
