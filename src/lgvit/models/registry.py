@@ -200,12 +200,13 @@ def create_model(
     """Build a registered model (timm's ``create_model``).
 
     Args:
-        name: a registered name, or ``name.tag`` (timm's form) for one of its released weights
-            (``lgvit weights list``).
-        pretrained: load the authors' released weights (the tag's, else the model's default),
-            downloaded once into the weights cache (:mod:`lgvit.models.download`); with another
-            ``num_classes`` the weights load and a new classifier replaces theirs (timm's rule).
-            A model without released weights is one line naming those with them.
+        name: a registered name; ``name.tag`` (timm's form) naming released weights;
+            ``local-dir:DIR`` (a folder written by ``save_pretrained``) or ``hf-hub:ORG/NAME``
+            (the same layout on the Hugging Face hub; needs ``huggingface_hub``).
+        pretrained: the authors' released weights (the tag's, else the model's default; see
+            ``lgvit weights list``), downloaded once into the weights cache (``cache_dir``,
+            default ``$LGVIT_WEIGHTS_DIR``, else torch hub's); another ``num_classes`` gets a
+            new classifier on them (timm's rule).
         num_classes: the classifier size (default: the config's, or the checkpoint's).
         checkpoint_path: weights to load: an lgvit checkpoint (``runs/x/best``, a
             ``.safetensors``) or a ``.pth``/``.pt`` state dict -- including the authors'
@@ -214,12 +215,7 @@ def create_model(
         features_only: return a module whose forward gives the list of feature maps
             (``out_indices`` chooses which; default every stage), with ``feature_info``.
         pretrained_cfg_overlay: timm's; ``dict(file=PATH)`` with ``pretrained=True`` loads PATH.
-        cache_dir: the weights cache for ``pretrained`` (default ``$LGVIT_WEIGHTS_DIR``, else
-            torch hub's checkpoint folder).
         overrides: architecture arguments (``img_size=64``, ``drop_path_rate=0.2``, ...).
-
-    ``name`` may also be ``local-dir:DIR`` (a folder written by ``save_pretrained``) or
-    ``hf-hub:ORG/NAME`` (the same layout on the Hugging Face hub; needs ``huggingface_hub``).
     """
     tune_cpu_allocator()  # once: 1.2-1.3x on a CPU (lgvit.runtime); LGVIT_DEFAULT_MALLOC=1: off
     if num_classes is not None:  # the caller's own arguments: named as theirs
@@ -230,17 +226,13 @@ def create_model(
             overrides["num_classes"] = num_classes
         model = _create_from_folder(name, **overrides)
         return FeatureMaps(model, out_indices) if features_only else model
-    if pretrained and checkpoint_path is None and (pretrained_cfg_overlay or {}).get("file"):
-        checkpoint_path = str(pretrained_cfg_overlay["file"])
     if pretrained and checkpoint_path is None:
-        model = _create_pretrained(name, num_classes, cache_dir, overrides)
-        return FeatureMaps(model, out_indices) if features_only else model
-    if "." in name:  # name.tag without pretrained: the architecture (the tag must exist)
-        from lgvit.models.weights import find_weights, resolve_weights
-
-        _check_name(name.partition(".")[0])
-        name = (find_weights(name) or resolve_weights(name)).model
-    _check_name(name)
+        checkpoint_path = (pretrained_cfg_overlay or {}).get("file")  # timm's file, by hand
+        if checkpoint_path is None:  # the released weights, from the cache
+            model = _create_pretrained(name, num_classes, cache_dir, overrides)
+            return FeatureMaps(model, out_indices) if features_only else model
+        checkpoint_path = str(checkpoint_path)
+    name = _architecture(name)
     cfg = _CONFIGS[name]
     weights, meta = None, {}
     if checkpoint_path is not None:
@@ -282,9 +274,18 @@ def create_model(
         _load_checkpoint(model, weights, checkpoint_path, name, cfg, explicit=num_classes)
     model.pretrained_cfg = pretrained_cfg_for(name, model, meta)
     model.model_name = name
-    if features_only:
-        return FeatureMaps(model, out_indices)
-    return model
+    return FeatureMaps(model, out_indices) if features_only else model
+
+
+def _architecture(name: str) -> str:
+    """The registered model ``name`` (or ``name.tag``, whose tag must exist) builds."""
+    if "." in name:
+        from lgvit.models.weights import find_weights, resolve_weights
+
+        _check_name(name.partition(".")[0])
+        name = (find_weights(name) or resolve_weights(name)).model
+    _check_name(name)
+    return name
 
 
 def _create_pretrained(
