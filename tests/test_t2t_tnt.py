@@ -85,15 +85,18 @@ def test_performer_features_are_fixed_orthogonal_and_loaded_from_checkpoints(tmp
     torch.manual_seed(1)
     b = lgvit.create_model("t2t_vit_7", img_size=64)
     w = a.patch_embed.attention1.w
-    assert not w.requires_grad and not a.pos_embed.requires_grad
     assert not torch.equal(w, b.patch_embed.attention1.w)
     rows = w / w.norm(dim=1, keepdim=True)  # orthogonal rows scaled by sqrt(m)
     torch.testing.assert_close(rows @ rows.T, torch.eye(w.shape[0]), atol=1e-5, rtol=0)
     torch.save(a.state_dict(), tmp_path / "a.pth")
     c = lgvit.create_model("t2t_vit_7", img_size=64, checkpoint_path=str(tmp_path / "a.pth"))
     assert torch.equal(c.patch_embed.attention1.w, w)
-    fixed = {n for n, p in a.named_parameters() if not p.requires_grad}
-    assert fixed == {"pos_embed", "patch_embed.attention1.w", "patch_embed.attention2.w"}
+    # fixed: buffers saved under the authors' keys, so every parameter trains and gets a grad
+    fixed = {"pos_embed", "patch_embed.attention1.w", "patch_embed.attention2.w"}
+    assert fixed == {n for n, _ in a.named_buffers()} & set(a.state_dict())
+    assert all(p.requires_grad for p in a.parameters())
+    a(torch.randn(1, 3, 64, 64)).sum().backward()
+    assert all(p.grad is not None for p in a.parameters())
 
 
 def test_performer_feed_forward_drops_out_once():

@@ -123,8 +123,8 @@ class VisionTransformer(StagedViT):
         n = int(class_token) + self.grid[0] * self.grid[1]
         if learned_pos:
             self.pos_embed = nn.Parameter(torch.zeros(1, n, embed_dim))
-        else:  # a Parameter that does not train, as T2T-ViT keeps it (so it is in checkpoints)
-            self.pos_embed = nn.Parameter(sinusoid_table(n, embed_dim)[None], requires_grad=False)
+        else:  # fixed, so a persistent buffer: in checkpoints under the authors' key, not trained
+            self.register_buffer("pos_embed", sinusoid_table(n, embed_dim)[None])
         self.pos_drop = nn.Dropout(drop_rate)
         register_resize_on_load(self, lambda: {"pos_embed": (self.grid, int(class_token))})
 

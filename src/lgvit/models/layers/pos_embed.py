@@ -95,6 +95,14 @@ def grid_of_rel_table(rows: int, like: Grid) -> Grid:
 PosSpecs = Callable[[], dict[str, tuple[Grid, int]]]
 
 
+def _parameter_or_buffer(module: nn.Module, name: str) -> torch.Tensor:
+    """A learned embedding is a parameter, a fixed one (T2T's sinusoids) a buffer."""
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return module.get_buffer(name)
+
+
 def register_resize_on_load(module: nn.Module, specs: PosSpecs, mode: str = "bicubic") -> None:
     """Let ``module.load_state_dict`` take position embeddings made for another grid: each
     named embedding whose token count differs is resized to the module's grid. A tensor whose
@@ -104,7 +112,7 @@ def register_resize_on_load(module: nn.Module, specs: PosSpecs, mode: str = "bic
         for name, (grid, n_prefix) in specs().items():
             key = prefix + name
             old = state_dict.get(key)
-            param = module.get_parameter(name)
+            param = _parameter_or_buffer(module, name)
             if old is None or old.shape == param.shape:
                 continue
             if old.shape[:-2] != param.shape[:-2] or old.shape[-1] != param.shape[-1]:
