@@ -27,12 +27,12 @@ from lgvit.data.transforms import (
 
 def stage_times(loader: BatchLoader) -> dict[str, float]:
     """Seconds per epoch spent in each stage, replaying what BatchLoader does for a batch."""
-    a = loader.aug
-    ra = loader._ra or {}
+    a, recipe = loader.aug, loader.recipe
+    ra = recipe.rand_augment or {}
     gen = torch.Generator().manual_seed(0)
     times = dict.fromkeys(["gather", "crop/flip", "randaugment", "normalize+erasing", "mixup"], 0.0)
     idx_all = loader.indices()
-    for s, e in loader._batch_bounds(idx_all.numel()):
+    for s, e in recipe.batch_bounds(idx_all.numel()):
         t0 = time.perf_counter()
         idx = idx_all[s:e]
         x, y = loader.images[idx], loader.labels[idx]
@@ -43,7 +43,7 @@ def stage_times(loader: BatchLoader) -> dict[str, float]:
         t3 = time.perf_counter()
         x = random_erasing(normalize(x, a.mean, a.std), gen, prob=a.reprob, mode=a.remode)
         t4 = time.perf_counter()
-        loader._mix_batch(x, y, gen)  # the loader's own call: same mode and arguments
+        recipe.mix_batch(x, y, gen)  # the loader's own call: same mode and arguments
         t5 = time.perf_counter()
         for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
             times[k] += dt

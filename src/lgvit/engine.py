@@ -1,8 +1,9 @@
 """The run, for any task: run directory and lock, resume, the epoch loop, mid-epoch saves and
 preemption, DDP, progress, logs and checkpoints. What is trained comes from a :class:`Task`.
 
-A task (classification in :mod:`lgvit.train`; detection and segmentation later) brings what is
-its own: the model and data (:meth:`Task.prepare`), the loss of a batch, an evaluation and the
+A task (classification in :mod:`lgvit.train`, segmentation in :mod:`lgvit.segment`, detection
+in :mod:`lgvit.detect`) brings what is its own: the model and data (:meth:`Task.prepare`; its
+loaders keep :mod:`lgvit.data.protocol`'s contract), the loss of a batch, an evaluation and the
 config keys a resume may not change. Everything else lives here once.
 
 Read top to bottom: the task interface, what may interrupt an epoch, one epoch, the run.
@@ -37,6 +38,7 @@ from lgvit.checkpoint import (
     state_dict_to_cpu,
 )
 from lgvit.config import TrainConfig, config_from_dict, config_to_dict, save_config, scaled_lr
+from lgvit.data.protocol import Loader, TrainLoader, check_loaders
 from lgvit.errors import LgvitError
 from lgvit.optim import (
     ModelEma,
@@ -68,10 +70,8 @@ class Prepared:
     every checkpoint carries, and the run's description for the log."""
 
     model: nn.Module
-    # The loaders: iterables of batches with __len__, set_epoch(epoch, batch, state) and
-    # aug_state() (so a mid-epoch resume continues the augmentation stream exactly).
-    train_loader: Any
-    test_loader: Any
+    train_loader: TrainLoader  # set_epoch and aug_state: a mid-epoch resume continues exactly
+    test_loader: Loader
     metadata: dict[str, str]
     description: str
     notes: list[str] = field(default_factory=list)  # extra log lines (e.g. skipped images)
@@ -95,7 +95,7 @@ class Task(Protocol):
         ...
 
     def evaluate(
-        self, model: nn.Module, loader: Any, d: Dist, amp: Any, desc: str
+        self, model: nn.Module, loader: Loader, d: Dist, amp: Any, desc: str
     ) -> dict[str, float]: ...
 
     def summary(self, result: dict[str, float]) -> str:
@@ -546,6 +546,7 @@ def _start(
             log(f"removed {len(stale)} temp file(s) of interrupted saves: {', '.join(stale[:3])}")
     seed_everything(cfg.seed + d.rank)
     prepared = task.prepare(cfg, d)
+    check_loaders(prepared.train_loader, prepared.test_loader)  # before hours of training
     model = prepared.model
     if stem is not None:
         check_same_classes(stem, prepared.metadata)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from lgvit.atomic import atomic_write_bytes
 from lgvit.config import TTA_MODES
-from lgvit.data.loader import BatchLoader
+from lgvit.data.protocol import Loader
 from lgvit.errors import LgvitError, first_line
 from lgvit.progress import StepProgress, on_terminal
 from lgvit.runtime import Dist, all_reduce_sum, autocast
@@ -48,7 +48,7 @@ def tta_logits(model: nn.Module, x: torch.Tensor, tta: str) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
-    loader: BatchLoader,
+    loader: Loader,
     num_classes: int,
     d: Dist,
     amp: torch.dtype | None,

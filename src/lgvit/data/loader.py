@@ -34,7 +34,7 @@ from lgvit.data.transforms import (
 )
 from lgvit.errors import LgvitError
 
-__all__ = ["AugmentConfig", "BatchLoader", "parse_rand_augment"]
+__all__ = ["AugmentConfig", "BatchLoader", "BatchRecipe", "parse_rand_augment"]
 
 _TRAIN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
@@ -149,38 +149,18 @@ def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0] >> 1)
 
 
-class BatchLoader:
-    """Iterates ``(inputs float (B, 3, S, S), targets)`` over uint8 images in memory,
-    augmenting whole batches.
+class BatchRecipe:
+    """What :class:`BatchLoader` and the streaming loader (:mod:`lgvit.data.stream`) share,
+    whatever holds the images: each epoch's sample order, this rank's shard and its batches,
+    the augmentation stream (exact mid-epoch resume) and the batched recipe run on a batch.
 
-    Train: the epoch permutation comes from ``(seed, epoch)`` (identical on every rank);
-    each index is repeated ``repeated_aug`` times (DeiT RASampler), the list is padded to a
-    multiple of ``world_size`` by repeating its start and rank ``r`` takes ``r::world_size``
-    (``DistributedSampler``). With ``repeated_aug > 1`` each rank keeps only its first
-    ``N // world_size`` samples so an epoch still covers about N images (RASampler also
-    rounds N down to a multiple of 256; we don't). Augmentation randomness comes from
-    ``(seed, epoch, rank)``, so a run is reproducible and resumable at any epoch boundary.
-    Ops: crop + flip (uint8) -> RandAugment (uint8) -> normalize -> random erasing ->
-    mixup/cutmix, all on ``device``: a GPU gets the uint8 batch (pinned, non-blocking) before
-    the crop, a CPU run augments where the images are. Targets are soft ``(B, num_classes)``
-    when mixup/cutmix or label smoothing is on, else int64 labels.
-
-    Mixup needs an even batch: ``batch_size`` must be even, and an odd final partial batch
-    (only with ``drop_last=False``) loses its last sample (a lone sample is not yielded).
-
-    Eval: dataset order, no augmentation except :func:`resize_center_crop` when the images
-    are not ``img_size`` square, int64 labels. With several ranks, eval is *not* padded: rank
-    ``r`` gets the disjoint strided shard ``r::world_size``, so the shards cover the dataset
-    exactly once and summed per-rank metrics are exact. Shard sizes (hence batch counts) may
-    differ by one between ranks, so do cross-rank reductions after the loop, not per batch;
-    :attr:`num_samples` gives this rank's count. ``with_index`` (eval): yield
-    ``(inputs, labels, indices)``, the indices of the batch's images in the split (so results
-    can be matched to files, and images a streamed split could not read are accounted for).
+    ``num_images`` images with ``labels`` (moved to ``labels_device``: where the images are
+    indexed); the other arguments are :class:`BatchLoader`'s.
     """
 
     def __init__(
         self,
-        images: torch.Tensor,
+        num_images: int,
         labels: torch.Tensor,
         batch_size: int,
         *,
@@ -194,22 +174,16 @@ class BatchLoader:
         device: torch.device | str = "cpu",
         repeated_aug: int = 1,
         with_index: bool = False,
+        labels_device: torch.device | str = "cpu",
     ) -> None:
         if with_index and train:
             raise LgvitError("with_index is for evaluation (train=False)")
-        if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[1] != 3:
-            shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images)
-            raise LgvitError(f"images must be a (N, 3, H, W) tensor, got {shape}")
-        if images.dtype != torch.uint8:
-            raise LgvitError(f"images must be uint8, got {images.dtype}")
         labels = torch.as_tensor(labels)
-        if labels.shape != (images.shape[0],):
-            raise LgvitError(
-                f"labels must have shape ({images.shape[0]},), got {tuple(labels.shape)}"
-            )
+        if labels.shape != (num_images,):
+            raise LgvitError(f"labels must have shape ({num_images},), got {tuple(labels.shape)}")
         if labels.is_floating_point() or labels.is_complex():
             raise LgvitError(f"labels must be integers, got {labels.dtype}")
-        labels = labels.long().to(images.device)
+        labels = labels.long().to(labels_device)
         if num_classes <= 0:
             raise LgvitError(f"num_classes must be positive, got {num_classes}")
         if labels.numel() and (labels.min() < 0 or labels.max() >= num_classes):
@@ -226,7 +200,6 @@ class BatchLoader:
         if repeated_aug < 1:
             raise LgvitError(f"repeated_aug must be >= 1, got {repeated_aug}")
         self.aug = aug if aug is not None else AugmentConfig()
-        self.images = images
         self.labels = labels
         self.batch_size = batch_size
         self.num_classes = num_classes
@@ -240,36 +213,37 @@ class BatchLoader:
         self.with_index = with_index
         self.epoch = 0
         self._flip_phase: torch.Tensor | None = None
-        self._ra = parse_rand_augment(self.aug.rand_augment) if self.aug.rand_augment else None
-        self._mix = train and self.aug.mix_active
-        self._soft = train and (self._mix or self.aug.label_smoothing > 0)
-        if self._mix and batch_size % 2:
+        self.rand_augment = (
+            parse_rand_augment(self.aug.rand_augment) if self.aug.rand_augment else None
+        )
+        self.mix = train and self.aug.mix_active
+        self._soft = train and (self.mix or self.aug.label_smoothing > 0)
+        if self.mix and batch_size % 2:
             raise LgvitError(f"mixup/cutmix needs an even batch_size, got {batch_size}")
+        self._start: tuple[int, torch.Tensor | None] = (0, None)
+        self._gen: torch.Generator | None = None
 
-    # ------------------------------------------------------------------ sharding
+    # ------------------------------------------------------------------ the loader contract
 
-    def set_epoch(
-        self, epoch: int, start_batch: int = 0, aug_state: torch.Tensor | None = None
-    ) -> None:
-        """Select the epoch whose permutation and augmentation stream to use. ``start_batch``
-        and ``aug_state`` (from :meth:`aug_state` after that many batches) continue an epoch
-        in the middle, exactly: the next pass yields batch ``start_batch`` onwards with the
-        augmentation draws it would have had. They apply to the next pass only."""
+    def set_epoch(self, epoch: int, batch: int = 0, state: torch.Tensor | None = None) -> None:
+        """Select the epoch whose permutation and augmentation stream to use. ``batch`` and
+        ``state`` (from :meth:`aug_state` after that many batches) continue an epoch in the
+        middle, exactly: the next pass yields batch ``batch`` onwards with the augmentation
+        draws it would have had. They apply to the next pass only."""
         if epoch < 0:
             raise LgvitError(f"epoch must be non-negative, got {epoch}")
-        if not 0 <= start_batch <= len(self):
-            raise LgvitError(f"start_batch {start_batch} is outside the epoch's {len(self)}")
+        if not 0 <= batch <= len(self):
+            raise LgvitError(f"batch {batch} is outside the epoch's {len(self)} batches")
         self.epoch = epoch
-        self._start = (start_batch, aug_state)
+        self._start = (batch, state)
 
     def aug_state(self) -> torch.Tensor | None:
         """The augmentation generator's state after the batches yielded so far this epoch."""
-        gen = getattr(self, "_gen", None)
-        return gen.get_state() if gen is not None else None
+        return self._gen.get_state() if self._gen is not None else None
 
-    def _pass_start(self) -> tuple[int, torch.Generator]:
+    def pass_start(self) -> tuple[int, torch.Generator]:
         """The first batch of this pass and the augmentation generator, positioned there."""
-        start, state = getattr(self, "_start", (0, None))
+        start, state = self._start
         self._start = (0, None)
         gen = torch.Generator().manual_seed(_seed(self.seed, self.epoch, self.rank, 1))
         if state is not None:
@@ -277,10 +251,12 @@ class BatchLoader:
         self._gen = gen
         return start, gen
 
+    # ------------------------------------------------------------------ sharding
+
     @property
     def dataset_size(self) -> int:
         """Number of images in the whole dataset (all ranks)."""
-        return self.images.shape[0]
+        return self.labels.shape[0]
 
     def indices(self) -> torch.Tensor:
         """Dataset indices this rank visits in the current epoch, in order (before batching)."""
@@ -309,11 +285,12 @@ class BatchLoader:
         per_rank = math.ceil(n * self.repeated_aug / self.world_size)
         return min(per_rank, n // self.world_size) if self.repeated_aug > 1 else per_rank
 
-    def _batch_bounds(self, n: int) -> list[tuple[int, int]]:
+    def batch_bounds(self, n: int) -> list[tuple[int, int]]:
+        """``(start, end)`` of each batch of ``n`` indices (mixup: even batches only)."""
         b = self.batch_size
         stop = (n // b) * b if self.drop_last else n
         bounds = [(s, min(s + b, stop)) for s in range(0, stop, b)]
-        if self._mix and bounds and (bounds[-1][1] - bounds[-1][0]) % 2:
+        if self.mix and bounds and (bounds[-1][1] - bounds[-1][0]) % 2:
             s, e = bounds.pop()
             if e - s > 1:
                 bounds.append((s, e - 1))
@@ -321,11 +298,11 @@ class BatchLoader:
 
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
-        return len(self._batch_bounds(self.num_samples))
+        return len(self.batch_bounds(self.num_samples))
 
-    # ------------------------------------------------------------------ iteration
+    # ------------------------------------------------------------------ one batch
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
         if t.device == self.device:
             return t
         if self.device.type == "cuda" and t.device.type == "cpu":
@@ -333,7 +310,7 @@ class BatchLoader:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def _fit_size(self, x: torch.Tensor) -> torch.Tensor:
+    def fit_size(self, x: torch.Tensor) -> torch.Tensor:
         s = self.aug.img_size
         if tuple(x.shape[-2:]) == (s, s):
             return x
@@ -350,35 +327,36 @@ class BatchLoader:
             self._flip_phase = torch.rand(self.dataset_size, generator=g) < 0.5
         return self._flip_phase[idx.cpu()] ^ bool(self.epoch % 2)
 
-    def _train_batch(
+    def train_batch(
         self, x: torch.Tensor, y: torch.Tensor, gen: torch.Generator, idx: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recipe on uint8 images ``x`` (dataset indices ``idx``), drawing from ``gen``."""
         a = self.aug
         flip = self._flips(idx) if a.hflip and a.alternate_flip else a.hflip
         if self.device.type != "cpu":
             # On a GPU the whole recipe runs there: the uint8 batch (a quarter of its float
             # size) moves once, pinned and non-blocking, and no op waits for the host.
-            x, y = self._to_device(x), self._to_device(y)
+            x, y = self.to_device(x), self.to_device(y)
         if a.train_crop == "random_resized_crop":
             x = random_resized_crop(x, a.img_size, a.rrc_scale, a.rrc_ratio, gen=gen, flip=flip)
         else:
-            x = self._fit_size(x)
+            x = self.fit_size(x)
             pad = a.crop_padding if a.train_crop == "random_crop" else 0
             if pad > 0 or a.hflip:
                 x = random_crop_flip(x, a.img_size, pad, flip, gen=gen)
-        if self._ra is not None:
-            x = rand_augment(x, gen, fill=mean_to_fill(a.mean), **self._ra)
-        x, y = self._to_device(x), self._to_device(y)
+        if self.rand_augment is not None:
+            x = rand_augment(x, gen, fill=mean_to_fill(a.mean), **self.rand_augment)
+        x, y = self.to_device(x), self.to_device(y)
         x = normalize(x, a.mean, a.std)
         if a.reprob > 0:
             x = random_erasing(x, gen, prob=a.reprob, mode=a.remode, max_count=a.recount)
-        if self._mix:
-            return self._mix_batch(x, y, gen)
+        if self.mix:
+            return self.mix_batch(x, y, gen)
         if self._soft:
             return x, one_hot_smooth(y, self.num_classes, a.label_smoothing)
         return x, y
 
-    def _mix_batch(
+    def mix_batch(
         self, x: torch.Tensor, y: torch.Tensor, gen: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Mixup/cutmix of a normalised batch, with soft (smoothed) targets."""
@@ -396,19 +374,102 @@ class BatchLoader:
             mode=a.mixup_mode,
         )
 
+    def eval_batch(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> tuple:
+        """Uint8 images ``x`` resized to the eval size when they are not, normalised; with
+        ``with_index``, the images' indices in the split too."""
+        x = normalize(self.fit_size(self.to_device(x)), self.aug.mean, self.aug.std)
+        if self.with_index:
+            return x, self.to_device(y), idx.cpu()
+        return x, self.to_device(y)
+
+
+class BatchLoader:
+    """Iterates ``(inputs float (B, 3, S, S), targets)`` over uint8 images in memory,
+    augmenting whole batches (:class:`BatchRecipe`).
+
+    Train: the epoch permutation comes from ``(seed, epoch)`` (identical on every rank);
+    each index is repeated ``repeated_aug`` times (DeiT RASampler), the list is padded to a
+    multiple of ``world_size`` by repeating its start and rank ``r`` takes ``r::world_size``
+    (``DistributedSampler``). With ``repeated_aug > 1`` each rank keeps only its first
+    ``N // world_size`` samples so an epoch still covers about N images (RASampler also
+    rounds N down to a multiple of 256; we don't). Augmentation randomness comes from
+    ``(seed, epoch, rank)``, so a run is reproducible and resumable at any epoch boundary.
+    Ops: crop + flip (uint8) -> RandAugment (uint8) -> normalize -> random erasing ->
+    mixup/cutmix, all on ``device``: a GPU gets the uint8 batch (pinned, non-blocking) before
+    the crop, a CPU run augments where the images are. Targets are soft ``(B, num_classes)``
+    when mixup/cutmix or label smoothing is on, else int64 labels.
+
+    Mixup needs an even batch: ``batch_size`` must be even, and an odd final partial batch
+    (only with ``drop_last=False``) loses its last sample (a lone sample is not yielded).
+
+    Eval: dataset order, no augmentation except :func:`resize_center_crop` when the images
+    are not ``img_size`` square, int64 labels. With several ranks, eval is *not* padded: rank
+    ``r`` gets the disjoint strided shard ``r::world_size``, so the shards cover the dataset
+    exactly once and summed per-rank metrics are exact. Shard sizes (hence batch counts) may
+    differ by one between ranks, so do cross-rank reductions after the loop, not per batch;
+    :attr:`num_samples` gives this rank's count. ``with_index`` (eval): yield
+    ``(inputs, labels, indices)``, the indices of the batch's images in the split (so results
+    can be matched to files, and images a streamed split could not read are accounted for).
+
+    The engine's loader contract (:class:`lgvit.data.protocol.TrainLoader`).
+    """
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        batch_size: int,
+        *,
+        num_classes: int,
+        train: bool,
+        aug: AugmentConfig | None = None,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool | None = None,
+        device: torch.device | str = "cpu",
+        repeated_aug: int = 1,
+        with_index: bool = False,
+    ) -> None:
+        if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[1] != 3:
+            shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images)
+            raise LgvitError(f"images must be a (N, 3, H, W) tensor, got {shape}")
+        if images.dtype != torch.uint8:
+            raise LgvitError(f"images must be uint8, got {images.dtype}")
+        self.images = images
+        self.recipe = BatchRecipe(
+            images.shape[0], labels, batch_size, num_classes=num_classes, train=train, aug=aug,
+            seed=seed, rank=rank, world_size=world_size, drop_last=drop_last, device=device,
+            repeated_aug=repeated_aug, with_index=with_index, labels_device=images.device,
+        )  # fmt: skip
+        self.labels = self.recipe.labels
+        self.aug = self.recipe.aug
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank."""
+        return len(self.recipe)
+
+    def set_epoch(self, epoch: int, batch: int = 0, state: torch.Tensor | None = None) -> None:
+        """:meth:`BatchRecipe.set_epoch`: the epoch, and where in it the next pass starts."""
+        self.recipe.set_epoch(epoch, batch, state)
+
+    def aug_state(self) -> torch.Tensor | None:
+        return self.recipe.aug_state()
+
+    def indices(self) -> torch.Tensor:
+        """Dataset indices this rank visits in the current epoch, in order (before batching)."""
+        return self.recipe.indices()
+
+    @property
+    def num_samples(self) -> int:
+        """Samples this rank visits per epoch before batching (eval: its true share)."""
+        return self.recipe.num_samples
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        idx_all = self.indices()
-        start, gen = self._pass_start()
-        for s, e in self._batch_bounds(idx_all.numel())[start:]:
+        r = self.recipe
+        idx_all = r.indices()
+        start, gen = r.pass_start()
+        for s, e in r.batch_bounds(idx_all.numel())[start:]:
             idx = idx_all[s:e].to(self.images.device)
             x, y = self.images[idx], self.labels[idx]
-            if self.train:
-                yield self._train_batch(x, y, gen, idx)
-            else:
-                x = self._fit_size(self._to_device(x))
-                yield self._eval_batch(normalize(x, self.aug.mean, self.aug.std), y, idx)
-
-    def _eval_batch(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> tuple:
-        if self.with_index:
-            return x, self._to_device(y), idx.cpu()
-        return x, self._to_device(y)
+            yield r.train_batch(x, y, gen, idx) if r.train else r.eval_batch(x, y, idx)

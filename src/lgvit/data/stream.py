@@ -3,9 +3,10 @@
 Small datasets are decoded once into a uint8 cache (``imagefolder.py``); a folder whose decoded
 cache would be too large is read as it is iterated instead: workers decode each batch's files, crop
 them (train: RandomResizedCrop, bicubic, torchvision's sampling; eval: resize to size/crop_pct and
-center crop) and hand back uint8 batches, on which the main process runs the same batched recipe
-as :class:`BatchLoader` (flip, RandAugment, normalisation, erasing, mixup/cutmix). Sharding,
-seeding and batch counts are BatchLoader's, so runs stay reproducible and resumable.
+center crop) and hand back uint8 batches, on which the main process runs the rest of
+:class:`BatchLoader`'s recipe (flip, RandAugment, normalisation, erasing, mixup/cutmix). Both
+loaders hold a :class:`BatchRecipe`: sharding, seeding and batch counts are the same, so runs
+stay reproducible and resumable.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from lgvit.data.decode import load_rgb
-from lgvit.data.loader import BatchLoader, _seed
+from lgvit.data.loader import AugmentConfig, BatchLoader, BatchRecipe, _seed
 from lgvit.data.segmentation import own_generator
 from lgvit.data.splits import FileImageSet, ImageSet
-from lgvit.data.transforms import normalize, resize_center_crop
+from lgvit.data.transforms import resize_center_crop
 from lgvit.errors import LgvitError
 
 
@@ -100,8 +101,13 @@ class _DecodeBatches(Dataset):
         return out, ok
 
 
-class StreamingLoader(BatchLoader):
-    """:class:`BatchLoader` over image files decoded by ``workers`` DataLoader processes."""
+class StreamingLoader:
+    """Image files decoded and cropped by ``workers`` DataLoader processes, then the rest of
+    :class:`BatchLoader`'s recipe (:class:`BatchRecipe`: its sharding, seeding, batches and
+    augmentation stream) on the main process. Unreadable files are left out of their batch and
+    counted (``seen``, ``bad``, ``first_bad``); more than ``max_bad_fraction`` of the images
+    read so far (of at least 100) is one line. The engine's loader contract
+    (:class:`lgvit.data.protocol.TrainLoader`)."""
 
     def __init__(
         self,
@@ -110,56 +116,73 @@ class StreamingLoader(BatchLoader):
         *,
         workers: int = 2,
         max_bad_fraction: float = 0.05,
+        aug: AugmentConfig | None = None,
         **kwargs: Any,
     ) -> None:
-        # Sharding and batching only need the sample count: an empty (N, 3, 0, 0) stand-in.
-        stand_in = torch.empty((len(files), 3, 0, 0), dtype=torch.uint8)
-        super().__init__(stand_in, files.labels, batch_size, **kwargs)
+        # The workers crop (train: RandomResizedCrop; eval: resize and center crop); the recipe
+        # then only flips, with no second crop.
+        self.crop = aug if aug is not None else AugmentConfig()
+        after_crop = dataclasses.replace(self.crop, train_crop="none")
+        self.recipe = BatchRecipe(len(files), files.labels, batch_size, aug=after_crop, **kwargs)
         self.files = files
+        self.labels = self.recipe.labels
         self.workers = workers
         self.max_bad_fraction = max_bad_fraction
-        # Cropping happens in the workers; the batched recipe then only flips (no second crop).
-        self._crop_aug = self.aug
-        self.aug = dataclasses.replace(self.aug, train_crop="none")
         self.seen = self.bad = 0
         self.first_bad: str | None = None
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        idx_all = self.indices()
-        batches = [idx_all[s:e].tolist() for s, e in self._batch_bounds(idx_all.numel())]
-        start, gen = self._pass_start()  # mid-epoch resume: skip decoding the batches done
-        batches = batches[start:]
-        a = self._crop_aug
+    def __len__(self) -> int:
+        """Batches per epoch for this rank."""
+        return len(self.recipe)
+
+    def set_epoch(self, epoch: int, batch: int = 0, state: torch.Tensor | None = None) -> None:
+        """:meth:`BatchRecipe.set_epoch`: the epoch, and where in it the next pass starts."""
+        self.recipe.set_epoch(epoch, batch, state)
+
+    def aug_state(self) -> torch.Tensor | None:
+        return self.recipe.aug_state()
+
+    def _decoded(self, batches: list[list[int]], start: int) -> DataLoader:
+        """The workers' uint8 batches ``(x, readable)`` of ``batches`` (the epoch's from
+        ``start``)."""
+        r, a = self.recipe, self.crop
         ds = _DecodeBatches(
-            self.files.paths, batches, a.img_size, self.train, a.crop_pct, a.interpolation,
-            a.rrc_scale, a.rrc_ratio, _seed(self.seed, self.epoch, self.rank, 2), first=start,
+            self.files.paths, batches, a.img_size, r.train, a.crop_pct, a.interpolation,
+            a.rrc_scale, a.rrc_ratio, _seed(r.seed, r.epoch, r.rank, 2), first=start,
         )  # fmt: skip
-        dl = DataLoader(
+        return DataLoader(
             ds, batch_size=None, shuffle=False, num_workers=self.workers,
-            pin_memory=self.device.type == "cuda", generator=own_generator(),
+            pin_memory=r.device.type == "cuda", generator=own_generator(),
         )  # fmt: skip
-        for (x, ok), idx in zip(dl, batches, strict=True):
+
+    def _count_bad(self, ok: torch.Tensor, idx: list[int]) -> None:
+        self.seen += len(idx)
+        bad_now = (~ok).nonzero().flatten().tolist()
+        if bad_now:
+            self.bad += len(bad_now)
+            self.first_bad = self.first_bad or self.files.paths[idx[bad_now[0]]]
+            if self.bad > self.max_bad_fraction * max(self.seen, 100):
+                raise LgvitError(
+                    f"{self.bad} of the first {self.seen} images are unreadable (more than "
+                    f"{self.max_bad_fraction:.0%}), e.g. {self.first_bad}"
+                )
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        r = self.recipe
+        idx_all = r.indices()
+        batches = [idx_all[s:e].tolist() for s, e in r.batch_bounds(idx_all.numel())]
+        start, gen = r.pass_start()  # mid-epoch resume: skip decoding the batches done
+        batches = batches[start:]
+        for (x, ok), idx in zip(self._decoded(batches, start), batches, strict=True):
             y = self.labels[idx]
-            self.seen += len(idx)
-            bad_now = (~ok).nonzero().flatten().tolist()
-            if bad_now:
-                self.bad += len(bad_now)
-                self.first_bad = self.first_bad or self.files.paths[idx[bad_now[0]]]
-                if self.bad > self.max_bad_fraction * max(self.seen, 100):
-                    raise LgvitError(
-                        f"{self.bad} of the first {self.seen} images are unreadable (more than "
-                        f"{self.max_bad_fraction:.0%}), e.g. {self.first_bad}"
-                    )
+            self._count_bad(ok, idx)
             idx = torch.as_tensor(idx)
             x, y, idx = x[ok], y[ok], idx[ok]
-            if self._mix and len(y) % 2:
+            if r.mix and len(y) % 2:
                 x, y, idx = x[:-1], y[:-1], idx[:-1]
             if len(y) == 0:
                 continue
-            if self.train:
-                yield self._train_batch(x, y, gen, idx)
-            else:
-                yield self._eval_batch(normalize(self._to_device(x), a.mean, a.std), y, idx)
+            yield r.train_batch(x, y, gen, idx) if r.train else r.eval_batch(x, y, idx)
 
 
 def make_loader(
@@ -169,7 +192,7 @@ def make_loader(
     workers: int = 2,
     max_bad_fraction: float = 0.05,
     **kwargs: Any,
-) -> BatchLoader:
+) -> BatchLoader | StreamingLoader:
     """A :class:`BatchLoader` for a decoded split, a :class:`StreamingLoader` for a file list."""
     if isinstance(split, FileImageSet):
         return StreamingLoader(
