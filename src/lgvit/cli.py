@@ -1,4 +1,5 @@
-"""The ``lgvit`` command line: ``info`` (and, with the training issue, ``train``/``eval``/...).
+"""The ``lgvit`` command line: ``info``, ``configs``, ``train``, ``eval``, ``predict``, ``bench``,
+``export``, ``viz``, ``plot`` and ``weights``; each ``cmd_*`` imports what it runs, lazily.
 
 Every user error ends as one readable line on stderr and exit status 2, never a traceback.
 """
