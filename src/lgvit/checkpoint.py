@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import pickle
 import random
@@ -53,8 +52,15 @@ from lgvit.atomic import (
     write_temp,
     writing_to,
 )
-from lgvit.constants import MAX_DENSE_SCALE
 from lgvit.errors import LgvitError, error_lines, first_line, last_line
+from lgvit.record import (  # the type tests: re-exported for models/hub.py and the registry
+    CheckpointRecord,
+    is_img_size,
+    is_names,
+    is_number,
+    is_rgb,
+    is_size,
+)
 from lgvit.safe_pickle import Inert, refused_pickle_error, torch_load_data_only
 
 __all__ = [
@@ -66,14 +72,19 @@ __all__ = [
     "atomic_write_bytes",
     "build_train_state",
     "capture_rng_state",
-    "check_dense_metadata",
     "check_finite_weights",
-    "check_model_metadata",
+    "check_same_classes",
     "check_weight_dtypes",
     "checkpoint_paths",
     "clean_state_dict",
+    "is_img_size",
+    "is_names",
+    "is_number",
+    "is_rgb",
+    "is_size",
     "load_checkpoint_pair",
     "load_metadata",
+    "load_record",
     "load_train_state",
     "load_weights",
     "restore_rng_state",
@@ -378,103 +389,41 @@ def load_metadata(path: str | Path) -> dict[str, str]:
     return _read_safetensors(_resolve_weights_path(Path(path)))[1]
 
 
-# Type tests of metadata values (checkpoint headers here, config.json in models/hub.py).
-def is_number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
-def is_size(x: Any) -> bool:
-    """A positive integer (not a bool)."""
-    return isinstance(x, int) and not isinstance(x, bool) and x > 0
-
-
-def is_img_size(v: Any) -> bool:
-    """A positive integer or a (height, width) pair of them."""
-    return is_size(v) or (isinstance(v, tuple | list) and len(v) == 2 and all(map(is_size, v)))
-
-
-def is_names(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(c, str) for c in v)
-
-
-def is_rgb(v: Any) -> bool:
-    """Three numbers (a mean or std per RGB channel)."""
-    return isinstance(v, list) and len(v) == 3 and all(map(is_number, v))
-
-
-def _meta_json(meta: Mapping[str, str], key: str, path: str | Path, want: str, ok: Any) -> None:
+def load_record(
+    path: str | Path, task: str | None = None, *, strict: bool = False
+) -> CheckpointRecord:
+    """The :class:`~lgvit.record.CheckpointRecord` of a checkpoint, every value checked: a
+    malformed one is one line naming ``path`` and the key. ``task``: the task the caller loads
+    (see :meth:`~lgvit.record.CheckpointRecord.from_meta`). Not ``strict``: a file without a
+    safetensors header (a ``.pth``; a missing or broken file, which loading its weights then
+    reports) has an empty one, every key at its default."""
     try:
-        good = ok(json.loads(meta[key]))
-    except (TypeError, ValueError):  # not JSON
-        good = False
-    if not good:
-        raise LgvitError(f"{path}: metadata {key}={str(meta[key])[:60]!r} is not {want}")
-
-
-def check_model_metadata(meta: Mapping[str, str], path: str | Path) -> dict[str, str]:
-    """The checkpoint metadata a model is built from, checked: a malformed value (a hand-edited
-    or foreign header) is one line naming the file and the key, not a crash later."""
-    if "img_size" in meta and not str(meta["img_size"]).strip().isdigit():
-        raise LgvitError(f"{path}: metadata img_size={meta['img_size']!r} is not a whole number")
-    if "model_kwargs" in meta:
-        _meta_json(meta, "model_kwargs", path, "a JSON object of architecture arguments",
-                   lambda v: isinstance(v, dict))  # fmt: skip
-    for key in ("mean", "std"):
-        if key in meta:
-            _meta_json(meta, key, path, "a JSON list of 3 numbers", is_rgb)
-    if "classes" in meta:
-        _meta_json(meta, "classes", path, "a JSON list of class names", is_names)
-    if meta.get("crop_pct"):
-        _meta_json(meta, "crop_pct", path, "a number in (0, 1]",
-                   lambda v: is_number(v) and 0 < v <= 1)  # fmt: skip
-    return dict(meta)
-
-
-def check_dense_metadata(meta: Mapping[str, str], path: str | Path) -> dict[str, str]:
-    """A segmentation or detection checkpoint's metadata, checked as a classifier's is, and
-    ``classes`` (names, at least one), ``cat_ids`` (as many distinct ids), ``seg_scale`` /
-    ``det_scale`` (two sizes up to ``MAX_DENSE_SCALE``): a wrong type or length was an
-    IndexError, a TypeError, a 96 GB allocation or a silent broadcast later."""
-    check_model_metadata(meta, path)
-    classes = json.loads(meta["classes"]) if "classes" in meta else None
-    if classes is not None and not classes:
-        raise LgvitError(f"{path}: metadata classes=[] names no class")
-    if "cat_ids" in meta:
-        n = len(classes) if classes is not None else None
-
-        def ids(v: Any) -> bool:  # distinct positive ints, one per class
-            ok = isinstance(v, list) and all(map(is_size, v)) and len(set(v)) == len(v)
-            return ok and (n is None or len(v) == n)
-
-        _meta_json(meta, "cat_ids", path, f"a JSON list of {n or 'the'} distinct category ids",
-                   ids)  # fmt: skip
-    for key in ("seg_scale", "det_scale"):
-        if key in meta:
-            _meta_json(meta, key, path, f"two sizes (pixels, at most {MAX_DENSE_SCALE})",
-                       lambda v: isinstance(v, list) and len(v) == 2
-                       and all(is_size(x) and x <= MAX_DENSE_SCALE for x in v))  # fmt: skip
-    return dict(meta)
+        meta = load_metadata(path)
+    except LgvitError:
+        if strict:
+            raise
+        meta = {}
+    return CheckpointRecord.from_meta(meta, path, task)
 
 
 def check_same_classes(stem: Path, meta: dict[str, str]) -> None:
     """The data must give the classes (names and order: the label indices) the run trained
     with; otherwise every label would silently mean another class."""
-    saved, now = load_metadata(stem).get("classes"), meta.get("classes")
-    if not (saved and now):
+    was = load_record(stem, strict=True).classes
+    new = CheckpointRecord.from_meta(meta, stem).classes
+    if was is None or new is None or was == new:
         return
-    was, new = json.loads(saved), json.loads(now)
-    if was != new:
-        diff = next((i for i, (a, b) in enumerate(zip(was, new, strict=False)) if a != b), None)
-        where = (
-            f"class {diff} was {was[diff]!r}, is now {new[diff]!r}"
-            if diff is not None
-            else f"{len(was)} classes then, {len(new)} now"
-        )
-        raise LgvitError(
-            f"--resume {stem}: the data's classes differ from the run's ({where}; class "
-            "folders now sort as timm's, 2 before 10); start a new run from its weights with "
-            f"--initial-checkpoint {stem}"
-        )
+    diff = next((i for i, (a, b) in enumerate(zip(was, new, strict=False)) if a != b), None)
+    where = (
+        f"class {diff} was {was[diff]!r}, is now {new[diff]!r}"
+        if diff is not None
+        else f"{len(was)} classes then, {len(new)} now"
+    )
+    raise LgvitError(
+        f"--resume {stem}: the data's classes differ from the run's ({where}; class "
+        "folders now sort as timm's, 2 before 10); start a new run from its weights with "
+        f"--initial-checkpoint {stem}"
+    )
 
 
 def _torch_load(path: Path) -> Any:

@@ -328,11 +328,14 @@ def _dense_task(args: argparse.Namespace) -> str | None:
     data (or ``--detector``) implies; None for classification."""
     from lgvit.checkpoint import load_metadata
     from lgvit.models.weights import find_weights
+    from lgvit.record import CheckpointRecord
 
     try:
-        task = load_metadata(args.checkpoint).get("task")
+        meta = load_metadata(args.checkpoint)
     except LgvitError:  # not an lgvit file: released weights by name say their task
         task = getattr(find_weights(args.checkpoint), "task", None)
+    else:  # a malformed header is its one line here, whichever task reads it
+        task = CheckpointRecord.from_meta(meta, args.checkpoint).task
     if task in ("segmentation", "detection"):
         return task
     data = getattr(args, "data", None)

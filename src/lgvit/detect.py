@@ -11,7 +11,6 @@ them to a multiple of 32 there.
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from lgvit.config import TrainConfig
 from lgvit.engine import Prepared
 from lgvit.errors import LgvitError, first_line
 from lgvit.models import is_model
+from lgvit.record import CheckpointRecord
 from lgvit.runtime import Dist, autocast, barrier
 
 
@@ -107,12 +107,11 @@ class DetectionTask:
             f"{len(train)} train / {len(self.val)} val images, {n} classes, images at "
             f"most {long}x{short}"
         )
-        meta = {
-            "task": "detection", "detector": cfg.detector, "model": cfg.model,
-            "img_size": str(cfg.img_size or short), "num_classes": str(n),
-            "classes": json.dumps(list(train.classes)), "cat_ids": json.dumps(train.cat_ids),
-            "dataset": cfg.data, "det_scale": json.dumps([long, short]),
-        }  # fmt: skip
+        meta = CheckpointRecord(
+            task="detection", detector=cfg.detector, model=cfg.model,
+            img_size=cfg.img_size or short, num_classes=n, classes=tuple(train.classes),
+            cat_ids=tuple(train.cat_ids), dataset=cfg.data, det_scale=(long, short),
+        ).to_meta()  # fmt: skip
         notes = train_loader.notes + test_loader.notes
         for note in notes if d.main else []:  # the log has them; stderr too, as any warning
             warnings.warn(note, stacklevel=2)

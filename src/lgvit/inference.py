@@ -50,7 +50,7 @@ def load_model(
     ``input_size``), so preprocessing read from the model is the one it was trained with.
     Every failure is an :class:`LgvitError` with one line naming the file and the problem.
     """
-    from lgvit.checkpoint import load_metadata
+    from lgvit.checkpoint import load_record
     from lgvit.models import create_model, is_model
 
     released = _released(checkpoint, model_name)
@@ -58,21 +58,16 @@ def load_model(
         kwargs = {"img_size": img_size} if img_size is not None else {}
         model = create_model(released, pretrained=True, **kwargs)
         return model.to(resolve_device(device)).eval()
-    try:
-        meta = load_metadata(checkpoint)
-    except LgvitError:
-        meta = {}  # a plain .pt/.pth state dict carries no metadata (or an unreadable file,
-        # which create_model reports below)
-    task = meta.get("task")
-    if task in ("segmentation", "detection"):  # else "Missing key(s) pos_embed", unexplained
-        head = "Semantic FPN" if task == "segmentation" else meta.get("detector", "a detector")
-        what = f"{head} on {meta.get('model', '?')}"
+    record = load_record(checkpoint)  # a .pth has none; a malformed one: one line, key named
+    if record.is_dense:  # else "Missing key(s) pos_embed", unexplained
+        head = "Semantic FPN" if record.task == "segmentation" else record.detector or "a detector"
+        what = f"{head} on {record.model or '?'}"
         raise LgvitError(
-            f"{checkpoint} is a {task} checkpoint ({what}), not a classification model: "
+            f"{checkpoint} is a {record.task} checkpoint ({what}), not a classification model: "
             f"export and viz take classification checkpoints; `lgvit eval` and `lgvit "
-            f"predict` run {task} ones"
+            f"predict` run {record.task} ones"
         )
-    name = model_name or meta.get("model")
+    name = model_name or record.model
     if not name:
         from lgvit.checkpoint import load_weights
 

@@ -9,7 +9,6 @@ the engine's.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ from lgvit.dense.evaluate import evaluate_segmentation, normalise
 from lgvit.engine import Prepared
 from lgvit.errors import LgvitError, first_line
 from lgvit.models import get_model_config, is_model
+from lgvit.record import CheckpointRecord
 from lgvit.runtime import Dist, autocast, barrier
 
 DEFAULT_CROP = 512  # LIT's ADE20K crop
@@ -105,13 +105,12 @@ class SegmentationTask:
             f"{len(train)} train / {len(val)} val images, {self.num_classes} classes, "
             f"crop {crop}px"
         )
-        meta = {
-            "task": "segmentation", "model": cfg.model, "img_size": str(crop),
-            "num_classes": str(self.num_classes), "classes": json.dumps(list(train.classes)),
-            "mean": json.dumps(list(self.mean)), "std": json.dumps(list(self.std)),
-            "dataset": cfg.data, "seg_scale": json.dumps(list(cfg.seg_scale)),
-        }  # fmt: skip
-        return Prepared(model, train_loader, test_loader, meta, description)
+        record = CheckpointRecord(
+            task="segmentation", model=cfg.model, img_size=crop, num_classes=self.num_classes,
+            classes=tuple(train.classes), mean=self.mean, std=self.std, dataset=cfg.data,
+            seg_scale=tuple(cfg.seg_scale),
+        )  # fmt: skip
+        return Prepared(model, train_loader, test_loader, record.to_meta(), description)
 
     def load_initial(self, model: nn.Module, path: str) -> str:
         """``--initial-checkpoint``: a segmentation checkpoint (lgvit's, or the authors' mmseg

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from lgvit.errors import LgvitError, first_line
 from lgvit.evaluate import evaluate
 from lgvit.models import create_model, get_model_config, is_model, list_models
 from lgvit.optim import param_groups
+from lgvit.record import CheckpointRecord
 from lgvit.runtime import Dist, autocast, barrier
 
 
@@ -136,16 +136,11 @@ def augment_config(cfg: TrainConfig, img_size: int, splits: DatasetSplits) -> Au
 
 def checkpoint_metadata(cfg: TrainConfig, img_size: int, splits: DatasetSplits) -> dict[str, str]:
     """What ``lgvit eval``/``predict`` need to rebuild the model without the run's config."""
-    return {
-        "model": cfg.model,
-        "img_size": str(img_size),
-        "num_classes": str(len(splits.train.classes)),
-        "classes": json.dumps(list(splits.train.classes)),
-        "mean": json.dumps(list(splits.mean)),
-        "std": json.dumps(list(splits.std)),
-        "dataset": cfg.data,
-        "model_kwargs": json.dumps(model_kwargs(cfg)),
-    }
+    return CheckpointRecord(
+        model=cfg.model, img_size=img_size, num_classes=len(splits.train.classes),
+        classes=tuple(splits.train.classes), mean=tuple(splits.mean), std=tuple(splits.std),
+        dataset=cfg.data, model_kwargs=model_kwargs(cfg),
+    ).to_meta()  # fmt: skip
 
 
 @dataclass
@@ -258,8 +253,7 @@ def resumed_task(cfg: TrainConfig) -> str:
     RUN --resume auto`` alone must resume any task's run, and the command line's default task
     is classification. A task given explicitly that differs is refused by the task's
     ``identity_keys``; a missing or broken checkpoint is left to the engine to report."""
-    from lgvit.checkpoint import checkpoint_paths, load_metadata
-    from lgvit.config import TASKS
+    from lgvit.checkpoint import checkpoint_paths, load_record
 
     if not cfg.resume:
         return cfg.task
@@ -267,7 +261,6 @@ def resumed_task(cfg: TrainConfig) -> str:
     if stem.is_dir():
         stem = stem / "last"
     try:
-        task = load_metadata(checkpoint_paths(stem)[0]).get("task", "classification")
+        return load_record(checkpoint_paths(stem)[0], strict=True).task
     except LgvitError:
         return cfg.task
-    return task if task in TASKS else cfg.task

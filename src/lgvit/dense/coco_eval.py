@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -146,14 +145,7 @@ def load_detector(
     ``.pth`` (``model_name`` the backbone, ``detector`` retinanet or maskrcnn; COCO's 80
     classes), or their released file by name (``lit_ti.coco_retinanet_authors``, downloaded
     once). ``model.det_info``: ``classes``, ``cat_ids``, ``label_offset``."""
-    from lgvit.checkpoint import (
-        check_dense_metadata,
-        check_finite_weights,
-        load_into,
-        load_metadata,
-        load_weights,
-    )
-    from lgvit.data.coco import COCO_CAT_IDS, COCO_CLASSES
+    from lgvit.checkpoint import check_finite_weights, load_into, load_record, load_weights
     from lgvit.dense.detection import create_detector
     from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
     from lgvit.dense.pretrained import released_checkpoint
@@ -165,32 +157,22 @@ def load_detector(
     )  # fmt: skip
     if released is not None:  # a name: the cached file, its backbone and detector
         checkpoint, model_name, detector = released[0], released[1].model, released[1].detector
-    try:
-        meta = load_metadata(checkpoint)
-    except LgvitError:
-        meta = {}
-    if meta and meta.get("task") != "detection":
-        raise LgvitError(f"{checkpoint}: a {meta.get('task', 'classification')} checkpoint, "
-                         "not a detection one")  # fmt: skip
-    check_dense_metadata(meta, checkpoint)  # a wrong type or length: one line, key named
+    # Checked first: another task's checkpoint or a malformed value is one line, key named.
+    record = load_record(checkpoint, "detection")
     weights = load_weights(checkpoint)
-    name, kind = model_name or meta.get("model"), detector or meta.get("detector")
+    name, kind = model_name or record.model, detector or record.detector
     if not name or not kind:
         raise LgvitError(f"{checkpoint}: no backbone or detector stored in it; pass --model "
                          "NAME and --detector retinanet|maskrcnn")  # fmt: skip
-    try:
-        classes = json.loads(meta["classes"]) if "classes" in meta else list(COCO_CLASSES)
-        cat_ids = json.loads(meta["cat_ids"]) if "cat_ids" in meta else list(COCO_CAT_IDS)
-        long, short = json.loads(meta.get("det_scale", "[1333, 800]"))
-        img_size = int(meta.get("img_size", short))
-    except (ValueError, TypeError, KeyError) as e:
-        raise LgvitError(f"{checkpoint}: malformed detection metadata ({e})") from None
+    classes, cat_ids = list(record.classes or ()), list(record.cat_ids or ())
+    scale = record.det_scale or record.DET_SCALE  # (long, short) sides
+    long, short = max(scale), min(scale)
     model = create_detector(kind, name, len(classes), min_size=short, max_size=long,
-                            img_size=img_size)  # fmt: skip
+                            img_size=record.img_size)  # fmt: skip
     if is_mmdet_layout(weights):
         weights = mmdet_to_lgvit(weights, model, str(checkpoint))
     load_into(model, weights, str(checkpoint), f"{kind} on {name}")
     check_finite_weights(model, checkpoint)
-    model.det_info = {"classes": list(classes), "cat_ids": list(cat_ids),
+    model.det_info = {"classes": classes, "cat_ids": cat_ids,
                       "label_offset": 1 if kind == "maskrcnn" else 0}  # fmt: skip
     return model.to(resolve_device(device)).eval()

@@ -11,7 +11,6 @@ labelled pixels.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
@@ -122,10 +121,6 @@ def evaluate_segmentation(
 # --------------------------------------------------------------------------------- loading
 
 
-def segmentation_metadata(meta: dict[str, str]) -> bool:
-    return meta.get("task") == "segmentation"
-
-
 def load_segmenter(
     checkpoint: str, device: str | torch.device | None = None, model_name: str | None = None
 ) -> nn.Module:
@@ -136,14 +131,7 @@ def load_segmenter(
 
     ``model.seg_info`` holds what prediction needs: ``classes``, ``mean``, ``std``,
     ``scale``."""
-    from lgvit.checkpoint import (
-        check_dense_metadata,
-        check_finite_weights,
-        load_into,
-        load_metadata,
-        load_weights,
-    )
-    from lgvit.data.segmentation import ADE20K_CLASSES
+    from lgvit.checkpoint import check_finite_weights, load_into, load_record, load_weights
     from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
     from lgvit.dense.pretrained import released_checkpoint
     from lgvit.dense.semfpn import create_segmenter
@@ -154,35 +142,23 @@ def load_segmenter(
     )
     if released is not None:  # a name: the cached file, its backbone
         checkpoint, model_name = released[0], released[1].model
-    try:
-        meta = load_metadata(checkpoint)
-    except LgvitError:
-        meta = {}
+    # Checked first: another task's checkpoint or a malformed value is one line, key named.
+    record = load_record(checkpoint, "segmentation")
     weights = load_weights(checkpoint)
-    name = model_name or meta.get("model")
+    name = model_name or record.model
     if not name:
         raise LgvitError(f"{checkpoint}: no backbone name stored in it; pass --model NAME")
-    if meta and not segmentation_metadata(meta):
-        raise LgvitError(f"{checkpoint}: a classification checkpoint, not a segmentation one")
-    check_dense_metadata(meta, checkpoint)  # a wrong type or length: one line, key named
-    try:
-        classes = json.loads(meta["classes"]) if "classes" in meta else list(ADE20K_CLASSES)
-        scale = json.loads(meta.get("seg_scale", "[2048, 512]"))
-        img_size = int(meta.get("img_size", 512))
-        mean = json.loads(meta["mean"]) if "mean" in meta else None
-        std = json.loads(meta["std"]) if "std" in meta else None
-    except (ValueError, TypeError, KeyError) as e:
-        raise LgvitError(f"{checkpoint}: malformed segmentation metadata ({e})") from None
-    model = create_segmenter(name, len(classes), img_size=img_size)
+    classes = list(record.classes or ())
+    model = create_segmenter(name, len(classes), img_size=record.img_size)
     if is_mmseg_layout(weights):
         weights = mmseg_to_lgvit(weights, model, str(checkpoint))
     load_into(model, weights, str(checkpoint), f"Semantic FPN on {name}")
     check_finite_weights(model, checkpoint)
-    cfg = model.pretrained_cfg
+    cfg = model.pretrained_cfg  # the backbone's normalisation, where the checkpoint has none
     model.seg_info = {
-        "classes": classes, "scale": scale, "backbone": name,
-        "mean": mean or list(cfg.get("mean", (0.485, 0.456, 0.406))),
-        "std": std or list(cfg.get("std", (0.229, 0.224, 0.225))),
+        "classes": classes, "scale": list(record.seg_scale or record.SEG_SCALE), "backbone": name,
+        "mean": list(record.mean or cfg.get("mean", (0.485, 0.456, 0.406))),
+        "std": list(record.std or cfg.get("std", (0.229, 0.224, 0.225))),
     }  # fmt: skip
     return model.to(resolve_device(device)).eval()
 

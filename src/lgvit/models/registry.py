@@ -9,11 +9,10 @@ timm's arguments: ``pretrained``, ``checkpoint_path``, ``features_only``, ``out_
 from __future__ import annotations
 
 import fnmatch
-import json
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -21,6 +20,9 @@ import torch.nn as nn
 from lgvit.constants import CIFAR10_MEAN, CIFAR10_STD, CROP_PCT, IMAGENET_MEAN, IMAGENET_STD
 from lgvit.errors import LgvitError, error_lines, first_line
 from lgvit.runtime import tune_cpu_allocator
+
+if TYPE_CHECKING:
+    from lgvit.record import CheckpointRecord
 
 # Where a paper's throughput and memory figures were measured (`lgvit bench` names it beside
 # them). The LSA paper gives img/s on a GPU it does not name; the LocalViT paper gives none.
@@ -155,7 +157,7 @@ def _check_num_classes(n: Any) -> None:
 
 
 def pretrained_cfg_for(
-    name: str, model: nn.Module, metadata: dict[str, str] | None = None
+    name: str, model: nn.Module, record: CheckpointRecord | None = None
 ) -> dict[str, Any]:
     """timm-style ``pretrained_cfg`` dict of a built model: the registered defaults, with the
     model's real input size and class count, and -- for a model loaded from an lgvit
@@ -172,16 +174,17 @@ def pretrained_cfg_for(
         r = info[-1]["reduction"]
         cfg["pool_size"] = tuple(-(-s // r) for s in cfg["input_size"][1:])  # padded up
     cfg["architecture"] = name
-    meta = metadata or {}
+    if record is None:
+        return cfg
     for key in ("mean", "std"):
-        if key in meta:
-            cfg[key] = tuple(json.loads(meta[key]))
-    if "classes" in meta:
-        cfg["label_names"] = json.loads(meta["classes"])
-    if "dataset" in meta:
-        cfg["dataset"] = meta["dataset"]
-    if meta.get("crop_pct"):
-        cfg["crop_pct"] = float(meta["crop_pct"])
+        if getattr(record, key) is not None:
+            cfg[key] = tuple(getattr(record, key))
+    if record.classes is not None:
+        cfg["label_names"] = list(record.classes)
+    if record.dataset is not None:
+        cfg["dataset"] = record.dataset
+    if record.crop_pct is not None:
+        cfg["crop_pct"] = record.crop_pct
     return cfg
 
 
@@ -234,9 +237,9 @@ def create_model(
         checkpoint_path = str(checkpoint_path)
     name = _architecture(name)
     cfg = _CONFIGS[name]
-    weights, meta = None, {}
+    weights, record = None, None
     if checkpoint_path is not None:
-        from lgvit.checkpoint import check_model_metadata, load_metadata, load_weights
+        from lgvit.checkpoint import load_record, load_weights
 
         weights = load_weights(checkpoint_path)
         owner = checkpoint_layout_owner(weights)
@@ -246,14 +249,10 @@ def create_model(
                 f"{name} does not read: load it as {owner} (create_model('{owner}', "
                 f"checkpoint_path=...), --model {owner})"
             )
-        try:
-            meta = load_metadata(checkpoint_path)
-        except LgvitError:
-            meta = {}  # a plain .pt/.pth state dict carries no metadata
-        meta = check_model_metadata(meta, checkpoint_path)  # malformed: one line, file and key
-        if "img_size" in meta:
-            overrides.setdefault("img_size", int(meta["img_size"]))
-        for key, value in json.loads(meta.get("model_kwargs", "{}")).items():
+        record = load_record(checkpoint_path)  # malformed: one line, file and key; .pth: none
+        if record.img_size is not None:
+            overrides.setdefault("img_size", record.img_size)
+        for key, value in (record.model_kwargs or {}).items():
             overrides.setdefault(key, value)  # architecture choices the run was trained with
     if num_classes is not None:
         overrides["num_classes"] = num_classes
@@ -263,7 +262,7 @@ def create_model(
     try:
         model = _MODELS[name](**overrides)
     except TypeError as e:
-        if "model_kwargs" not in meta:
+        if record is None or not record.model_kwargs:
             raise
         raise LgvitError(
             f"{checkpoint_path}: metadata model_kwargs do not fit {name} ({first_line(e)})"
@@ -272,7 +271,7 @@ def create_model(
     model.model_args = {k: v for k, v in overrides.items() if k != "num_classes"}
     if weights is not None:
         _load_checkpoint(model, weights, checkpoint_path, name, cfg, explicit=num_classes)
-    model.pretrained_cfg = pretrained_cfg_for(name, model, meta)
+    model.pretrained_cfg = pretrained_cfg_for(name, model, record)
     model.model_name = name
     return FeatureMaps(model, out_indices) if features_only else model
 
