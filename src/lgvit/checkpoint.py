@@ -409,7 +409,7 @@ def load_record(
 def check_same_classes(stem: Path, meta: dict[str, str]) -> None:
     """The data must give the classes (names and order: the label indices) the run trained
     with; otherwise every label would silently mean another class."""
-    was = load_record(stem, strict=True).classes
+    was = load_record(checkpoint_paths(stem)[0], strict=True).classes  # names the file
     new = CheckpointRecord.from_meta(meta, stem).classes
     if was is None or new is None or was == new:
         return
