@@ -76,6 +76,7 @@ class Weights:
     metrics: dict[str, float] = field(default_factory=dict)
     notes: str = ""
     sha256: str | None = None
+    decimals: int = 1  # as the README prints the accuracy (LocalViT: 75.90)
 
     @property
     def name(self) -> str:
@@ -100,7 +101,7 @@ class Weights:
         """The reported accuracy in words: ``top-1 81.1%``, ``box AP 42.0, mask AP 39.1``."""
         words = {"top1": "top-1 {}%", "top5": "top-5 {}%", "box_ap": "box AP {}",
                  "mask_ap": "mask AP {}", "miou": "mIoU {}"}  # fmt: skip
-        return ", ".join(words[k].format(v) for k, v in self.metrics.items())
+        return ", ".join(words[k].format(f"{v:.{self.decimals}f}") for k, v in self.metrics.items())
 
 
 def _lit(model: str, tag: str, url: str, **kw: Any) -> Weights:
@@ -109,7 +110,7 @@ def _lit(model: str, tag: str, url: str, **kw: Any) -> Weights:
 
 def _localvit(model: str, file: str, top1: float, top5: float) -> Weights:
     return Weights(model, "in1k_authors", _LOCALVIT_V1 + file, **_LOCALVIT,
-                   metrics=dict(top1=top1, top5=top5))  # fmt: skip
+                   metrics=dict(top1=top1, top5=top5), decimals=2)  # fmt: skip
 
 
 _COCO = dict(task="detection", dataset="coco", num_classes=80)
@@ -205,9 +206,10 @@ def resolve_weights(name: str, task: str = "classification",
     if tag:
         w = find_weights(name)
         if w is None:
-            have = ", ".join(x.name for x in weights_of(model)) or "none"
-            raise LgvitError(f"{name}: no such weights (those of {model}: {have}; "
-                             "`lgvit weights list` lists them all)")  # fmt: skip
+            have = ", ".join(x.name for x in weights_of(model))
+            have = f"those of {model}: {have}" if have else f"{model} has none"
+            raise LgvitError(f"{name}: no such weights ({have}; `lgvit weights list` lists "
+                             "them all)")  # fmt: skip
         if w.task != task or (detector is not None and w.detector != detector):
             raise LgvitError(f"{name} are {w.task} weights ({w.describe_metrics()}): load them "
                              f"with {_builder(w)}")  # fmt: skip
