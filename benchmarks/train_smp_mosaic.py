@@ -28,7 +28,7 @@ import torch.nn as nn
 import lgvit  # noqa: F401  (registers every lgvit model in timm, where smp's tu- finds it)
 from lgvit.config import TrainConfig, load_config, resolve_config, scaled_lr
 from lgvit.data.segmentation import SegAugment, SegEvalLoader, SegTrainLoader, load_seg_split
-from lgvit.dense.backbone import _is_swin_skeleton
+from lgvit.dense.backbone import built_for_dense_size
 from lgvit.dense.evaluate import evaluate_segmentation, normalise
 from lgvit.measure import describe_machine
 from lgvit.models import get_model_config
@@ -50,7 +50,7 @@ def build_model(arch: str, cfg: TrainConfig, num_classes: int) -> nn.Module:
     """smp's ``arch`` on the ``tu-`` encoder, built with the backbone arguments lgvit's
     Semantic FPN gets (create_backbone): its drop path, and the crop as the input size only
     for Swin-skeleton models (LIT-Ti keeps its 224 px position embeddings, resized per input)."""
-    size = {"img_size": cfg.img_size} if _is_swin_skeleton(cfg.model) else {}
+    size = {"img_size": cfg.img_size} if built_for_dense_size(cfg.model) else {}
     return getattr(smp, arch)(
         f"tu-{cfg.model}", encoder_weights=None, classes=num_classes,
         drop_path_rate=cfg.drop_path, **size,

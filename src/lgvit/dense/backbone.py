@@ -27,6 +27,9 @@ What the dense mode changes, as the authors' dense backbones (LIT's ``segmentati
   mmdetection; Swin's own code counts one higher), kept in eval mode and without gradients;
   ``norm_eval``: BatchNorm layers stay in eval mode while training; drop path
   (``drop_path_rate``) and activation checkpointing as in classification.
+Each family declares its part and the backbone asks the model, never its class:
+``dense_out_norms``, ``dense_built_for_input_size``, ``dense_size_divisor()`` and
+``set_dense_mode()`` (:class:`lgvit.models.base.StagedViT`, overridden by Swin, PVT and LSA).
 """
 
 from __future__ import annotations
@@ -42,10 +45,6 @@ import torch.nn.functional as F
 from lgvit.errors import LgvitError
 from lgvit.models import create_model, list_models
 from lgvit.models.layers.features import FeatureInfo, feature_take_indices
-from lgvit.models.layers.stage import Stage
-from lgvit.models.layers.window import WindowAttention
-from lgvit.models.pvt import PyramidVisionTransformer
-from lgvit.models.swin import SwinTransformer
 
 OUT_NORMS = ("per_level", "last", "none")
 
@@ -65,16 +64,6 @@ def dense_backbone_names() -> list[str]:
         if is_pyramid(model):
             names.append(name)
     return names
-
-
-def _default_out_norms(model: nn.Module) -> str:
-    # Swin's and LIT-S's dense backbones add norm{i} per output; PVT's and LIT-Ti's none.
-    return "none" if isinstance(model, PyramidVisionTransformer) else "per_level"
-
-
-def _size_divisor(model: nn.Module) -> int:
-    # Swin's PatchEmbed pads to the patch size; PVT's and LSA's convolutions floor.
-    return model.feature_info[0]["reduction"] if isinstance(model, SwinTransformer) else 1
 
 
 class DenseBackbone(nn.Module):
@@ -104,7 +93,7 @@ class DenseBackbone(nn.Module):
         n = len(model.feature_info)
         out_indices = list(range(n)) if out_indices is None else list(out_indices)
         self.out_indices = feature_take_indices(n, out_indices)
-        out_norms = out_norms or _default_out_norms(model)
+        out_norms = out_norms or model.dense_out_norms  # as the family's authors wrote it
         if out_norms not in OUT_NORMS:
             raise LgvitError(f"out_norms {out_norms!r} is not one of {OUT_NORMS}")
         if not -1 <= frozen_stages <= n:
@@ -112,7 +101,7 @@ class DenseBackbone(nn.Module):
         self.out_norms = out_norms
         self.frozen_stages = frozen_stages
         self.norm_eval = norm_eval
-        self.size_divisor = _size_divisor(model)
+        self.size_divisor = model.dense_size_divisor()
         self.feature_info = FeatureInfo(model.feature_info[i] for i in self.out_indices)
         last = n - 1
         model.prune_intermediate_layers(
@@ -179,9 +168,11 @@ class DenseBackbone(nn.Module):
         return [m.permute(0, 3, 1, 2).contiguous() for m in maps]
 
 
-def _is_swin_skeleton(name: str) -> bool:
+def built_for_dense_size(name: str) -> bool:
+    """Whether ``name``'s family builds its dense backbones for the dense input size (the
+    model's ``dense_built_for_input_size``: the Swin skeleton); built on the meta device."""
     with torch.device("meta"):
-        return isinstance(create_model(name), SwinTransformer)
+        return create_model(name).dense_built_for_input_size
 
 
 def create_backbone(
@@ -211,23 +202,18 @@ def create_backbone(
         drop_path_rate: stochastic depth (default: the model's).
         grad_checkpointing: recompute each block's activations in the backward pass.
         img_size: the dense input size Swin-skeleton models are built for (see the module's
-            docstring); other models keep their classification size.
+            docstring; :func:`built_for_dense_size`); other models keep their classification
+            size.
         unnormed: stages whose output gets no per-level norm (LIT-S's detection backbone
             leaves stage 1's map unnormalised).
     """
     if drop_path_rate is not None:
         overrides["drop_path_rate"] = drop_path_rate
-    if _is_swin_skeleton(name):
+    if built_for_dense_size(name):
         overrides["img_size"] = img_size
     model = create_model(name, checkpoint_path=checkpoint_path, **overrides)
     model.reset_classifier(0, "")
-    if hasattr(model, "dynamic_img_size"):  # LSA: position embeddings resized per input
-        model.dynamic_img_size = True
-    for m in model.modules():
-        if isinstance(m, WindowAttention):
-            m.pad_to_window = True
-        if isinstance(m, Stage) and isinstance(model, PyramidVisionTransformer):
-            m.use_cls_token = False
+    model.set_dense_mode()  # the family's own: padded windows, resized positions, no cls token
     if grad_checkpointing:
         model.set_grad_checkpointing(True)
     return DenseBackbone(model, out_indices, out_norms, frozen_stages, norm_eval, unnormed)

@@ -7,7 +7,9 @@ level). It then calls :meth:`StagedViT.init_head`. The base owns everything a ti
 ``forward_features``, ``forward_head``, ``forward_intermediates``,
 ``prune_intermediate_layers``, ``feature_info``, ``reset_classifier``, ``get_classifier``,
 ``no_weight_decay`` (by parameter-name patterns), ``group_matcher`` and
-``set_grad_checkpointing``.
+``set_grad_checkpointing``; and what a dense backbone (:mod:`lgvit.dense.backbone`) asks of a
+family: ``dense_out_norms``, ``dense_built_for_input_size``, :meth:`StagedViT.dense_size_divisor`
+and :meth:`StagedViT.set_dense_mode`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from lgvit.models.layers import (
     FeatureInfo,
     Grid,
     Stage,
+    WindowAttention,
     feature_take_indices,
     init_vit_weights,
     num_prefix_tokens,
@@ -109,6 +112,12 @@ class StagedViT(nn.Module):
             decay (position embeddings, class tokens, relative-position tables).
         norm_intermediates: ``forward_intermediates(norm=True)`` normalises every feature
             (plain ViTs, one width) rather than only the last (pyramids).
+        dense_out_norms: the output norms of the family's dense backbones as their authors
+            wrote them: ``per_level`` (a new LayerNorm on every map: Swin's and LIT-S's
+            ``norm{i}``, LSA) or ``none`` (PVT's and LIT-Ti's).
+        dense_built_for_input_size: a dense backbone is built for the dense input size (Swin:
+            LIT-S/M/B's relative-position tables span a whole stage map, and windows shift
+            only in maps larger than a window), not the classification one.
     """
 
     stages_attr = "stages"
@@ -117,6 +126,8 @@ class StagedViT(nn.Module):
         "pos_embed", "*.pos_embed", "cls_token", "*.cls_token", "*relative_position_bias_table",
     )  # fmt: skip
     norm_intermediates = False
+    dense_out_norms = "per_level"
+    dense_built_for_input_size = False
 
     num_classes: int
     num_features: int
@@ -329,6 +340,21 @@ class StagedViT(nn.Module):
         )
         if num_classes > 0:
             init_vit_weights(self.head)
+
+    # -- dense prediction (lgvit.dense.backbone asks; a family overrides) -------------------
+
+    def dense_size_divisor(self) -> int:
+        """A dense backbone zero-pads its input at the bottom and right to a multiple of this;
+        1: any size goes in as it is (PVT's and LSA's strided convolutions floor odd sizes)."""
+        return 1
+
+    def set_dense_mode(self) -> None:
+        """Take any input size, as the authors' dense backbones do (a dense backbone calls it
+        once, after the weights are loaded): window attention pads a grid that is not a
+        multiple of its window."""
+        for m in self.modules():
+            if isinstance(m, WindowAttention):
+                m.pad_to_window = True
 
     # -- training helpers ------------------------------------------------------------------
 

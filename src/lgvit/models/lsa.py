@@ -658,6 +658,11 @@ class LocallyShiftedViT(StagedViT):
         return lsa_stem(x, self.patch_embed, self.local_block, self.pos_embed, self.shifted,
                         self.grids[0], self.img_size, self.dynamic_img_size)  # fmt: skip
 
+    def set_dense_mode(self) -> None:
+        """Position embeddings resized to each input's grids at run time (bicubic)."""
+        super().set_dense_mode()
+        self.dynamic_img_size = True
+
     def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """lgvit's layout passes; the authors' released layout is refused, naming its model."""
         owner = checkpoint_layout_owner(state_dict)

@@ -56,6 +56,7 @@ class PyramidVisionTransformer(StagedViT):
     """
 
     stem_pattern = r"^patch_embed"
+    dense_out_norms = "none"  # PVT's and LIT-Ti's dense backbones add no norm on the maps
 
     def __init__(
         self,
@@ -131,6 +132,14 @@ class PyramidVisionTransformer(StagedViT):
     def forward_stem(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
         x = self.check_input(x)
         return self.patch_embed(x)
+
+    def set_dense_mode(self) -> None:
+        """Stage 4's class token (and its position row) left out, as PVT's and LIT-Ti's dense
+        backbones do."""
+        super().set_dense_mode()
+        for m in self.modules():
+            if isinstance(m, Stage):
+                m.use_cls_token = False
 
     def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict:
         """The PVT authors' layout (``patch_embed{i}``, ``pos_embed{i}``, ``block{i}``,

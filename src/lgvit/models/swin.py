@@ -67,6 +67,7 @@ class SwinTransformer(StagedViT):
     """
 
     stem_pattern = r"^patch_embed"
+    dense_built_for_input_size = True  # 512 for LIT's segmentation, 800 for detection
 
     def __init__(
         self,
@@ -126,6 +127,10 @@ class SwinTransformer(StagedViT):
         x = self.check_input(x)
         x, hw = self.patch_embed(x)
         return self.pos_drop(x), hw
+
+    def dense_size_divisor(self) -> int:
+        """The patch size: Swin's dense backbones pad the input to it, as its PatchEmbed does."""
+        return self.feature_info[0]["reduction"]
 
     def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict:
         """The Swin authors' layout (``layers.i.blocks.j``, merging at the end of stage i,
