@@ -8,14 +8,14 @@ images its test split. Written in ADE20K's layout for ``--data segfolder``::
 
     OUT/images/{training,validation}/NNNNNN.jpg  OUT/annotations/.../NNNNNN.png  OUT/classes.txt
 
-    python benchmarks/make_cifar_mosaic.py ../shared/data/cifar10-jpeg.tar.gz /tmp/cifar_mosaic \
+    python benchmarks/make_cifar_mosaic.py PATH/cifar10-jpeg.tar.gz /tmp/cifar_mosaic \
         --train 4000 --val 500
 
 With ``--coco``, the same images (same drawing, same seed) in COCO's detection layout instead::
 
     OUT/annotations/instances_{train,val}2017.json  OUT/{train,val}2017/NNNNNN.jpg
 
-    python benchmarks/make_cifar_mosaic.py ../shared/data/cifar10-jpeg.tar.gz /tmp/cifar_coco --coco
+    python benchmarks/make_cifar_mosaic.py PATH/cifar10-jpeg.tar.gz /tmp/cifar_coco --coco
 
 Categories 1..10 are the CIFAR classes; image ``id`` is the file's number + 1 (COCO ids start at
 1). One annotation per pasted object still visible: its mask is the pixels of its paste not
