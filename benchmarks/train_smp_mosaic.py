@@ -29,7 +29,6 @@ import lgvit  # noqa: F401  (registers every lgvit model in timm, where smp's tu
 from lgvit.config import TrainConfig, load_config, resolve_config, scaled_lr
 from lgvit.data.segmentation import SegAugment, SegEvalLoader, SegTrainLoader, load_seg_split
 from lgvit.dense.backbone import built_for_dense_size
-from lgvit.dense.evaluate import evaluate_segmentation, normalise
 from lgvit.measure import describe_machine
 from lgvit.models import get_model_config
 from lgvit.optim import build_optimizer, lr_at, run_epochs, total_steps, warmup_steps
@@ -40,9 +39,10 @@ from lgvit.runtime import (
     setup_distributed,
     tune_cpu_allocator,
 )
-from lgvit.segment import SegmentationTask, segmentation_loss
+from lgvit.tasks.segmentation.evaluate import evaluate_segmentation, normalise
+from lgvit.tasks.segmentation.train import SegmentationTask, segmentation_loss
 
-METRICS = ("mIoU", "mAcc", "aAcc")  # lgvit.dense.evaluate.SegMetrics, as mmseg
+METRICS = ("mIoU", "mAcc", "aAcc")  # lgvit.tasks.segmentation.evaluate.SegMetrics, as mmseg
 RECIPE = resolve_config("cifar_mosaic_semfpn_lit_ti_cpu")  # a shipped config
 
 

@@ -16,7 +16,7 @@ def one_epoch(tmp_path):
     from lgvit.preempt import RunControl
     from lgvit.progress import RunClock
     from lgvit.runtime import Dist
-    from lgvit.train import ClassificationTask
+    from lgvit.tasks.classification.train import ClassificationTask
 
     def run_epoch(model, batches, optimizer, cfg, epoch=0, schedule=None, img_size=0):
         d = Dist()

@@ -231,7 +231,7 @@ def test_every_shipped_config_loads_and_builds_its_model(path):
     import torch
 
     import lgvit
-    from lgvit.train import model_kwargs
+    from lgvit.tasks.classification.train import model_kwargs
 
     cfg = load_config(str(path), ["data_dir=/data/imagenet"])  # ImageNet configs need one
     assert lgvit.models.is_model(cfg.model), cfg.model

@@ -208,7 +208,7 @@ def test_compressed_rle_counts_are_read_as_pycocotools_does(tmp_path, root):
 def test_a_missing_iscrowd_is_not_a_crowd_and_cocoeval_reads_it(tmp_path, root):
     """Hand-made files often leave ``iscrowd`` out: it is 0, in training and in COCOeval
     (which read it with ``int(ann["iscrowd"])`` and raised KeyError)."""
-    from lgvit.dense.coco_eval import coco_evaluate
+    from lgvit.tasks.detection.evaluate import coco_evaluate
 
     def drop(data):
         for a in data["annotations"]:
@@ -375,8 +375,8 @@ class _NoDetections(torch.nn.Module):
 
 def test_unreadable_eval_images_are_named_with_the_reason(tmp_path, root):
     """An eval image whose file is not the JSON's size: the result names it and says why."""
-    from lgvit.dense.coco_eval import evaluate_detection
     from lgvit.runtime import Dist
+    from lgvit.tasks.detection.evaluate import evaluate_detection
 
     def edit(data):
         _second_image(data)["width"] += 3

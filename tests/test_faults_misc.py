@@ -29,7 +29,7 @@ from lgvit.models import create_model
 def test_sigterm_after_the_last_step_finishes_the_run_and_a_resume_says_so(
     tmp_path, capsys, monkeypatch
 ):
-    from lgvit.train import ClassificationTask
+    from lgvit.tasks.classification.train import ClassificationTask
 
     evaluate = ClassificationTask.evaluate
 

@@ -283,8 +283,8 @@ def test_too_many_nonfinite_losses_stop_on_the_device_path_too(one_epoch, monkey
 
 
 def test_flip_test_time_augmentation_averages_the_mirrored_logits():
-    from lgvit.evaluate import evaluate
     from lgvit.runtime import Dist
+    from lgvit.tasks.classification.evaluate import evaluate
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 5, 3))
@@ -304,8 +304,8 @@ def test_flip_test_time_augmentation_averages_the_mirrored_logits():
 
 
 def test_flip_translate_tta_averages_six_views():
-    from lgvit.evaluate import evaluate
     from lgvit.runtime import Dist
+    from lgvit.tasks.classification.evaluate import evaluate
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 5, 3))

@@ -1,6 +1,6 @@
-"""The package's shape, checked from its source: no import cycle, evaluation and benchmarking
-never import the training modules, and no module or function grows past what one reads in a
-sitting (docs/architecture.md is the map)."""
+"""The package's shape, checked from its source: no import cycle, evaluation, prediction and
+benchmarking (and every task's evaluation and command code) never import training, and no
+module or function grows past what one reads in a sitting (docs/architecture.md is the map)."""
 
 from __future__ import annotations
 
@@ -80,20 +80,34 @@ def test_no_import_cycle():
         assert not back, f"{m} imports {back}, which import {m} back"
 
 
+TRAINING = {"lgvit.engine", "lgvit.optim", "lgvit.tasks.run"} | {
+    m for m in MODULES if m.startswith("lgvit.tasks.") and m.endswith(".train")
+}
+
+
 def test_eval_bench_predict_never_import_training():
+    """``lgvit eval``, ``predict`` and ``bench`` and every task's evaluation and command code
+    never reach the engine or any task's training module (the registry imports a task's
+    modules by name, on first use: ``cmd_eval`` reaches only the one it runs)."""
     graph = _graph()
     cli = ast.parse(MODULES["lgvit.cli"].read_text())
-    for fn in ("cmd_eval", "cmd_bench", "cmd_predict"):
+    for fn in ("cmd_eval", "cmd_bench", "cmd_predict", "_run_task_command"):
         node = next(n for n in cli.body if isinstance(n, ast.FunctionDef) and n.name == fn)
         reach = _reachable(graph, _imports(node, "lgvit.cli", False))
-        assert not reach & {"lgvit.train", "lgvit.engine"}, (fn, sorted(reach))
+        assert not reach & TRAINING, (fn, sorted(reach & TRAINING))
+    tasks = {m.rpartition(".")[0] for m in TRAINING if m.endswith(".train")}
+    assert len(tasks) == 3, tasks
+    for task in sorted(tasks):
+        for part in ("evaluate", "cli"):
+            reach = _reachable(graph, {f"{task}.{part}"})
+            assert not reach & TRAINING, (f"{task}.{part}", sorted(reach & TRAINING))
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_module_and_function_sizes(module):
     path = MODULES[module]
     text = path.read_text()
-    training = module in ("lgvit.train", "lgvit.engine")  # the loop and the task
+    training = module in TRAINING - {"lgvit.optim", "lgvit.tasks.run"}  # the loop and tasks
     limit = MAX_TRAINING_MODULE_LINES if training else MAX_MODULE_LINES
     assert text.count("\n") <= limit, f"{path}: {text.count(chr(10))} lines"
     for node in ast.walk(ast.parse(text)):

@@ -74,7 +74,7 @@ def test_a_header_reads_into_typed_fields_and_writes_back_byte_for_byte(task):
 def test_the_classification_writer_keeps_its_header():
     """``train.checkpoint_metadata`` through the record: the dict it wrote by hand before."""
     from lgvit.config import TrainConfig
-    from lgvit.train import checkpoint_metadata
+    from lgvit.tasks.classification.train import checkpoint_metadata
 
     cfg = TrainConfig(model="lsa_micro_cifar", data="cifar10", patch_size=4)
     train = SimpleNamespace(classes=["cat", "dog", "frog"])
@@ -164,11 +164,11 @@ def _checkpoint(path: Path, task: str, key: str, value: str) -> Path:
 
 def _loader(task: str):
     if task == "segmentation":
-        from lgvit.dense.evaluate import load_segmenter
+        from lgvit.tasks.segmentation.evaluate import load_segmenter
 
         return load_segmenter
     if task == "detection":
-        from lgvit.dense.coco_eval import load_detector
+        from lgvit.tasks.detection.evaluate import load_detector
 
         return load_detector
     from lgvit.inference import load_model

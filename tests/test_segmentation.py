@@ -27,10 +27,10 @@ from lgvit.data.segmentation import (
     train_sample,
 )
 from lgvit.dense import create_backbone
-from lgvit.dense.evaluate import SegMetrics
 from lgvit.dense.mmseg import mmseg_to_lgvit
 from lgvit.dense.semfpn import create_segmenter
 from lgvit.errors import LgvitError
+from lgvit.tasks.segmentation.evaluate import SegMetrics
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # The issue's pyramid models (and LIT's ablations on them); the LSA CIFAR pyramids work too.
@@ -126,7 +126,7 @@ def test_the_authors_mmseg_checkpoint_layout_loads(name, tmp_path):
     sd.update({k: torch.tensor(7) for k in sd if k.endswith("num_batches_tracked")})
     path = tmp_path / f"sem_fpn_{name}.pth"
     torch.save({"meta": {"iter": 80000}, "state_dict": sd}, path)
-    from lgvit.dense.evaluate import load_segmenter
+    from lgvit.tasks.segmentation.evaluate import load_segmenter
 
     model = load_segmenter(str(path), "cpu", name)
     own = model.state_dict()
@@ -325,7 +325,7 @@ def test_backbones_start_from_classification_weights(tmp_path):
     backbone; the Swin skeleton built for 512 px gets the 224 px model's bias tables resized."""
     import lgvit
     from lgvit.config import TrainConfig
-    from lgvit.segment import SegmentationTask
+    from lgvit.tasks.segmentation.train import SegmentationTask
 
     cls = lgvit.create_model("lsa_micro_cifar")
     torch.save(cls.state_dict(), tmp_path / "cls.pth")

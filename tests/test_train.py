@@ -15,7 +15,7 @@ from PIL import Image
 
 from lgvit.config import TrainConfig
 from lgvit.optim import lr_at, param_groups
-from lgvit.train import train_size_at
+from lgvit.tasks.classification.train import train_size_at
 
 # A tiny, fast run: the micro model at 16px on 512 synthetic images.
 FAST = [

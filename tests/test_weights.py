@@ -417,8 +417,8 @@ def test_timm_create_model_pretrained_downloads_through_the_cache(cache, release
 def test_eval_and_predict_take_released_weights_by_name(cache, releases, tmp_path, capsys):
     from PIL import Image
 
-    from lgvit.dense.coco_eval import load_detector
     from lgvit.inference import load_model
+    from lgvit.tasks.detection.evaluate import load_detector
 
     _serve_small(releases)
     m = load_model("localvit_tiny.in1k_authors", "cpu")

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lgvit.config import COCO_DATASETS, DATASETS, DETECTORS, SEG_DATASETS, TASKS, TTA_MODES
+from lgvit.config import DETECTORS
 from lgvit.errors import LgvitError
-
-ALL_DATASETS = DATASETS + SEG_DATASETS + COCO_DATASETS
+from lgvit.tasks import ALL_DATASETS, TASK_NAMES
+from lgvit.tasks.flags import add_task_flags
 
 
 def _fmt(v: object, spec: str = ".2f") -> str:
@@ -123,7 +123,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from lgvit.config import load_config_with_explicit
-    from lgvit.train import train
+    from lgvit.tasks.run import train
 
     cli = {
         "task": args.task, "model": args.model, "data": args.data, "data_dir": args.data_dir,
@@ -212,183 +212,22 @@ TIMM_FLAGS: dict[str, tuple[str, Any, str]] = {
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    task = _dense_task(args)
-    if args.predictions and task != "segmentation":  # checked before the whole evaluation runs
-        from lgvit.atomic import check_writable
-
-        check_writable(args.predictions, "--predictions")
-    if task == "segmentation":
-        from lgvit.segment_cli import eval_segmentation
-
-        return eval_segmentation(args)
-    if task == "detection":
-        from lgvit.detect_cli import eval_detection
-
-        return eval_detection(args)
-    from lgvit.data.datasets import FileImageSet, load_test_split
-    from lgvit.data.loader import AugmentConfig
-    from lgvit.data.stream import make_loader
-    from lgvit.evaluate import (
-        RealLabels,
-        TopKRecorder,
-        evaluate,
-        real_accuracy,
-        write_predictions,
-    )
-    from lgvit.inference import load_model, resolve_preprocessing
-    from lgvit.runtime import Dist, resolve_amp
-
-    real = RealLabels(args.real_labels) if args.real_labels else None  # bad file: fail first
-    model = load_model(args.checkpoint, args.device, args.model, args.img_size)
-    device = next(model.parameters()).device
-    pre = resolve_preprocessing(model, crop_pct=args.crop_pct, interpolation=args.interpolation,
-                                mean=args.mean, std=args.std)  # fmt: skip
-    split = load_test_split(args.data, args.data_dir, img_size=pre.size,
-                            cache_dir=args.cache_dir, class_map=args.class_map)  # fmt: skip
-    _check_eval_classes(args, model, split.classes)
-    files = isinstance(split, FileImageSet)
-    names = split.paths if files else [f"{args.data}/test/{i}" for i in range(len(split))]
-    real_sets = real.for_images(names, model.num_classes) if real else None
-    aug = AugmentConfig(img_size=pre.size, crop_pct=pre.crop_pct,
-                        interpolation=pre.interpolation, mean=pre.mean, std=pre.std)  # fmt: skip
-    loader = make_loader(split, args.batch_size, num_classes=len(split.classes), train=False,
-                         aug=aug, with_index=True, workers=args.workers)  # fmt: skip
-    if not args.json:
-        print(f"preprocessing: {pre.describe()}", flush=True)
-    recorder = TopKRecorder(k=5) if real or args.predictions else None  # per-image top-5
-    amp = resolve_amp(args.amp, device)
-    res = evaluate(model, loader, len(split.classes), Dist(device=device), amp, tta=args.tta,
-                   on_batch=recorder)  # fmt: skip
-    res.update(checkpoint=str(args.checkpoint), data=args.data, images=len(split),
-               unreadable=len(split) - res["count"], preprocessing=pre.to_dict(),
-               classes=list(split.classes))  # fmt: skip
-    if recorder is not None:
-        idx, labels, top, probs = recorder.result()
-        if real_sets is not None:
-            res.update(real_accuracy(top, [real_sets[i] for i in idx.tolist()]))
-        if args.predictions:
-            names = [names[i] for i in idx.tolist()]
-            write_predictions(args.predictions, names, labels, top, probs)
-            res["predictions"] = str(args.predictions)
-    if args.json:
-        print(json.dumps(res, indent=2))
-    else:
-        _print_eval(args, res)
-    return 0
-
-
-def _check_eval_classes(args: argparse.Namespace, model: Any, classes: Sequence[str]) -> None:
-    """The data's classes must be the head's: as many, and (when the checkpoint names them) the
-    same names in the same order unless ``--any-classes``."""
-    n_data, n_head = len(classes), model.num_classes
-    if n_data != n_head:
-        raise LgvitError(
-            f"{args.checkpoint} has a {n_head}-class head but {args.data} has {n_data} classes; "
-            "fine-tune it with `lgvit train`, evaluate on a dataset with the same classes, or "
-            "give the class indices with --class-map"
-        )
-    trained_on = model.pretrained_cfg.get("label_names")
-    if trained_on and list(trained_on) != list(classes) and not args.any_classes:
-        raise LgvitError(
-            f"{args.checkpoint} was trained on classes {_preview(trained_on)} but {args.data} "
-            f"has {_preview(classes)}; pass --any-classes to evaluate anyway (class i of the "
-            "data is then class i of the model)"
-        )
-
-
-def _print_eval(args: argparse.Namespace, res: dict[str, Any]) -> None:
-    print(f"{args.checkpoint} on {args.data} ({res['count']} test images)")
-    if res["unreadable"]:
-        print(f"  {res['unreadable']} unreadable image(s) left out")
-    if len(res["classes"]) <= 100:  # ImageNet's thousand rows are in --json
-        for cls, acc in zip(res["classes"], res["per_class_acc"], strict=True):
-            print(f"  {cls:20s} {acc:6.2f}%")
-    print(f"top-1 {res['acc1']:.2f}%  top-5 {res['acc5']:.2f}%  loss {res['loss']:.4f}")
-    if "real_acc1" in res:
-        print(f"ReaL top-1 {res['real_acc1']:.2f}%  top-5 {res['real_acc5']:.2f}%  "
-              f"({res['real_count']} images with ReaL labels)")  # fmt: skip
-    if "predictions" in res:
-        print(f"predictions: {res['predictions']}")
-
-
-def _preview(names: Sequence[str], n: int = 3) -> str:
-    return "[" + ", ".join(list(names)[:n]) + (", ...]" if len(names) > n else "]")
-
-
-def _label(classes: Sequence[str] | None, i: int) -> str:
-    """Class ``i``'s name; a head wider than the named classes (``--num-classes`` above the
-    data's) has unnamed outputs: ``class_12``."""
-    if not classes:
-        return str(i)
-    return classes[i] if i < len(classes) else f"class_{i}"
-
-
-def _dense_task(args: argparse.Namespace) -> str | None:
-    """``segmentation`` or ``detection``: what the checkpoint's metadata says, else what the
-    data (or ``--detector``) implies; None for classification."""
-    from lgvit.checkpoint import load_metadata
-    from lgvit.models.weights import find_weights
-    from lgvit.record import CheckpointRecord
-
-    try:
-        meta = load_metadata(args.checkpoint)
-    except LgvitError:  # not an lgvit file: released weights by name say their task
-        task = getattr(find_weights(args.checkpoint), "task", None)
-    else:  # a malformed header is its one line here, whichever task reads it
-        task = CheckpointRecord.from_meta(meta, args.checkpoint).task
-    if task in ("segmentation", "detection"):
-        return task
-    data = getattr(args, "data", None)
-    if data in SEG_DATASETS:
-        return "segmentation"
-    if data in COCO_DATASETS or getattr(args, "detector", None):
-        return "detection"
-    return None
+    """The checkpoint's task evaluates it, with the flags that task reads (others refused)."""
+    return _run_task_command(args, "eval")
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    import torch
+    return _run_task_command(args, "predict")
 
-    task = _dense_task(args)
-    if task == "detection":
-        from lgvit.detect_cli import predict_detection
 
-        return predict_detection(args)
-    if task == "segmentation" or args.out:
-        from lgvit.segment_cli import predict_segmentation
+def _run_task_command(args: argparse.Namespace, command: str) -> int:
+    from lgvit.tasks.dispatch import task_of_checkpoint
+    from lgvit.tasks.flags import apply_task_flags
 
-        return predict_segmentation(args)
-
-    from lgvit.inference import load_model, preprocess_images
-
-    if args.topk < 1:
-        raise LgvitError(f"--topk {args.topk}: must be at least 1")
-    from lgvit.inference import expand_images, report_predictions
-
-    images = expand_images(args.images)
-    model = load_model(args.checkpoint, args.device, args.model, args.img_size)
-    device = next(model.parameters()).device
-    classes = model.pretrained_cfg.get("label_names")  # the checkpoint's class names
-    results, failed = [], []
-    for path in images:
-        try:
-            x = preprocess_images(model, [path])  # its normalisation; LgvitError if unreadable
-        except LgvitError as e:  # one bad file among good ones: say so (below), go on
-            failed.append(str(e))
-            continue
-        with torch.no_grad():
-            probs = model(x.to(device)).softmax(-1)[0].cpu()
-        top = probs.topk(min(args.topk, len(probs)))
-        labels = [_label(classes, i) for i in top.indices.tolist()]
-        results.append(
-            {"image": path, "top": [[lbl, round(p, 4)] for lbl, p in
-                                    zip(labels, top.values.tolist(), strict=True)]}
-        )  # fmt: skip
-
-    def line(r: dict[str, Any]) -> str:
-        return f"{r['image']}: " + ", ".join(f"{lbl} {100 * p:.1f}%" for lbl, p in r["top"])
-
-    return report_predictions(results, failed, args.json, line)
+    task = task_of_checkpoint(args)
+    apply_task_flags(args, task, command)
+    module = task.module("cli")
+    return module.run_eval(args) if command == "eval" else module.run_predict(args)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -422,12 +261,20 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lgvit", description="Locality-enhanced vision transformers."
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_info, _add_weights, _add_bench, _add_export, _add_train, _add_configs,
+                _add_eval, _add_predict, _add_plot, _add_viz):  # fmt: skip
+        add(sub)
+    return parser
+
+
+def _add_info(sub: Any) -> None:
     p = sub.add_parser("info", help="params and MACs of registered models, beside the paper's")
     p.add_argument("names", nargs="*", help="model names or wildcards (default: all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_info)
-    _add_weights(sub)
 
+
+def _add_bench(sub: Any) -> None:
     from lgvit.bench import DEFAULT_BATCH
     from lgvit.bench import __doc__ as bench_doc
 
@@ -472,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="with --scaling: fewer, smaller points")
     p.set_defaults(func=cmd_bench)
 
+
+def _add_export(sub: Any) -> None:
     p = sub.add_parser(
         "export", help="ONNX, torch.export (.pt2) or the Hugging Face layout, parity-checked"
     )
@@ -504,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_export)
 
+
+def _add_train(sub: Any) -> None:
     from lgvit.config import config_help
 
     keys = "\n".join(f"  {k:20s} {d:24s} {m}" for k, d, m in config_help())
@@ -514,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="config keys (YAML files, --set key=value; precedence: defaults < YAML < flags "
         f"< --set):\n  {'key':20s} {'default':24s} meaning\n{keys}",
     )
-    p.add_argument("--task", choices=TASKS, help="default: classification (or the config's)")
+    p.add_argument("--task", choices=TASK_NAMES, help="default: classification (or the config's)")
     p.add_argument("--detector", choices=DETECTORS, help="detection: default retinanet")
     p.add_argument("--model", help="registered model name (default: lsa_micro_cifar)")
     p.add_argument("--data", choices=ALL_DATASETS)
@@ -538,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(*names, type=kind, help=text)
     p.set_defaults(func=cmd_train)
 
+
+def _add_configs(sub: Any) -> None:
     p = sub.add_parser(
         "configs",
         help="the shipped training configs, one line each (lgvit train --config NAME)",
@@ -548,76 +401,54 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", metavar="NAME", help="print this config's YAML (to copy and edit)")
     p.set_defaults(func=cmd_configs)
 
+
+def _add_eval(sub: Any) -> None:
     p = sub.add_parser(
         "eval",
-        help="top-1/top-5 (and ImageNet-ReaL) accuracy of a checkpoint",
-        description="Evaluate as the model was trained: its input size, crop_pct, "
-        "interpolation and mean/std (from the checkpoint, or the registered model's for a "
-        ".pth), each overridable with timm's validate.py flags. An image folder is read from "
-        "its files: val/ or test/, or a folder of class folders (ImageNet-V2).",
+        help="a checkpoint on a test split: top-1/top-5 (and ReaL), mIoU, or COCO AP",
+        description="Evaluate as the model was trained. The checkpoint says its task "
+        "(classification, segmentation, detection; an authors' file by --data or --detector), "
+        "and each task reads the flags marked with its name: another task's flag is refused. "
+        "Classification: its input size, crop_pct, interpolation and mean/std (from the "
+        "checkpoint, or the registered model's for a .pth), each overridable with timm's "
+        "validate.py flags; an image folder is read from its files: val/ or test/, or a folder "
+        "of class folders (ImageNet-V2).",
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="runs/x/best, a .safetensors or .pth file, or weights NAME.TAG",
     )
     p.add_argument("--model", help="default: the name stored in the checkpoint")
-    p.add_argument("--checkpoint", required=True)
     p.add_argument("--data", required=True, choices=ALL_DATASETS)
     p.add_argument("--data-dir")
-    p.add_argument("--cache-dir")
-    p.add_argument("--img-size", type=int, help="default: the size it was trained at")
-    p.add_argument("--crop-pct", type=float, help="default: the model's (e.g. 0.875, 0.9)")
-    p.add_argument("--interpolation", help="bicubic | bilinear | nearest (default: the model's)")
-    p.add_argument("--mean", type=float, nargs=3, metavar="V", help="default: the model's")
-    p.add_argument("--std", type=float, nargs=3, metavar="V", help="default: the model's")
-    p.add_argument("--class-map", help="class index per folder name: one name per line, or "
-                   "'name index' lines (default: folders in natural order)")  # fmt: skip
-    p.add_argument("--real-labels", metavar="FILE",
-                   help="ImageNet-ReaL's real.json: also report ReaL top-1/top-5")  # fmt: skip
-    p.add_argument("--predictions", metavar="FILE",
-                   help="write a CSV: image, label, top-5 classes and probabilities "
-                   "(detection: the detections in COCO's results format, JSON; segmentation: "
-                   "none, `lgvit predict --out` writes masks)")  # fmt: skip
-    p.add_argument("--detector", choices=DETECTORS,
-                   help="the detector of an mmdet .pth (the authors'; with --model)")  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("-j", "--workers", type=int, default=2,
-                   help="decoding processes for an image folder (default 2)")  # fmt: skip
     p.add_argument("--amp", choices=["auto", "bf16", "none"], default="auto")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: CUDA if any)")
     p.add_argument("--json", action="store_true")
-    p.add_argument(
-        "--tta",
-        choices=list(TTA_MODES),
-        default="none",
-        help="flip: average the logits of each image and its mirror image; flip-translate: "
-        "also of the two one-pixel shifts and their mirror images (six views); segmentation: "
-        "flip only (mmseg's flip test, mean softmax); detection: none",
-    )
-    p.add_argument(
-        "--any-classes",
-        action="store_true",
-        help="evaluate even if the checkpoint's class names differ from the data's",
-    )
+    add_task_flags(p, "eval")
     p.set_defaults(func=cmd_eval)
 
+
+def _add_predict(sub: Any) -> None:
     p = sub.add_parser(
         "predict",
-        help="top-5 labels of images",
-        description="Top-k labels of image files (or of the images in a directory). An "
-        "unreadable file is skipped with a line on stderr and the exit status is then 1.",
+        help="a checkpoint on image files: top-k labels, masks, or boxes",
+        description="Predict on image files (or the images in a directory) with the "
+        "checkpoint's task: a classifier's top-k labels, a segmenter's masks, a detector's "
+        "boxes. Each task reads the flags marked with its name: another task's flag is "
+        "refused. An unreadable file is skipped with a line on stderr and the exit status is "
+        "then 1.",
     )
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--model", help="default: the name stored in the checkpoint")
-    p.add_argument("--img-size", type=int)
-    p.add_argument("--topk", type=int, default=5)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: CUDA if any)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--out", help="segmentation: folder for each image's mask and overlay PNGs; "
-                   "detection: for each image's boxes drawn (PNG)")  # fmt: skip
-    p.add_argument("--detector", choices=DETECTORS,
-                   help="the detector of an mmdet .pth (the authors'; with --model)")  # fmt: skip
-    p.add_argument("--score-thr", type=float, default=0.3,
-                   help="detection: draw boxes scoring at least this (default 0.3)")  # fmt: skip
+    add_task_flags(p, "predict")
     p.add_argument("images", nargs="+")
     p.set_defaults(func=cmd_predict)
 
+
+def _add_plot(sub: Any) -> None:
     p = sub.add_parser(
         "plot", help="training curves of runs, overlaid: top-1, top-5, training loss per epoch"
     )
@@ -626,6 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--labels", help="comma-separated legend names (default: directory names)")
     p.set_defaults(func=cmd_plot)
 
+
+def _add_viz(sub: Any) -> None:
     p = sub.add_parser(
         "viz",
         help="what a model learned, on real images: LSA shift attention, LIT offsets, attention",
@@ -646,7 +479,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--model", help="the architecture of a .pth state dict (e.g. lit_ti)")
     p.set_defaults(func=cmd_viz)
-    return parser
 
 
 def _add_weights(sub: Any) -> None:

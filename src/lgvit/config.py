@@ -31,6 +31,7 @@ from lgvit.data.coco import COCO_DATASETS
 from lgvit.data.datasets import DATASETS
 from lgvit.data.segmentation import SEG_DATASETS
 from lgvit.errors import LgvitError, first_line
+from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES, TASKS, get_task
 
 __all__ = [
     "AMP_MODES",
@@ -38,7 +39,6 @@ __all__ = [
     "DATASETS",
     "DETECTORS",
     "SEG_DATASETS",
-    "TASKS",
     "TrainConfig",
     "config_description",
     "config_from_dict",
@@ -58,7 +58,6 @@ TRAIN_CROPS = ("random_crop", "random_resized_crop", "none")
 RE_MODES = ("pixel", "rand", "const")  # random erasing fill, as in timm
 OPTIMIZERS = ("adamw", "sgd", "lamb")
 SCHEDULES = ("cosine", "linear", "step", "poly", "none")
-TASKS = ("classification", "segmentation", "detection")
 DETECTORS = ("retinanet", "maskrcnn")
 MAX_IMG_SIZE = 4096  # beyond any model here; larger sizes only exhaust memory in the size probe
 TTA_MODES = ("none", "flip", "flip-translate")
@@ -68,7 +67,7 @@ TTA_MODES = ("none", "flip", "flip-translate")
 class TrainConfig:
     """Everything a training run needs; saved with every checkpoint."""
 
-    task: str = "classification"  # classification | segmentation (Semantic FPN) | detection
+    task: str = DEFAULT_TASK  # one of lgvit.tasks.TASK_NAMES (lgvit train --help lists them)
     # model
     model: str = "lsa_micro_cifar"  # registered model name (`lgvit info` lists them)
     num_classes: int | None = None  # None -> from the dataset
@@ -514,22 +513,19 @@ def _validate_task(cfg: TrainConfig, fail: Any) -> None:
     """The task, its data, the iteration budget, the schedule's milestones, the segmentation
     and detection keys."""
     if cfg.task not in TASKS:
-        fail("task", f"must be one of {', '.join(TASKS)}")
-    every = DATASETS + SEG_DATASETS + COCO_DATASETS
-    if cfg.data not in every:
-        fail("data", f"must be one of {', '.join(every)}")
-    trains_on = {"segmentation": SEG_DATASETS, "detection": COCO_DATASETS}.get(cfg.task, DATASETS)
-    if cfg.data not in trains_on:
-        fail("data", f"task={cfg.task} trains on {', '.join(trains_on)}")
+        fail("task", f"must be one of {', '.join(TASK_NAMES)}")
+    if cfg.data not in ALL_DATASETS:
+        fail("data", f"must be one of {', '.join(ALL_DATASETS)}")
+    task = get_task(cfg.task)
+    if cfg.data not in task.datasets:
+        fail("data", f"task={cfg.task} trains on {', '.join(task.datasets)}")
     if cfg.detector not in DETECTORS:
         fail("detector", f"must be one of {', '.join(DETECTORS)}")
     for key in ("det_scale", "seg_scale"):
         if not 1 <= min(getattr(cfg, key)) <= max(getattr(cfg, key)) <= MAX_DENSE_SCALE:
             fail(key, f"must be two sizes in [1, {MAX_DENSE_SCALE}] pixels")
-    if cfg.task == "detection" and cfg.eval_tta != "none":  # refused, not silently ignored
-        fail("eval_tta", "task=detection has no test-time augmentation")
-    if cfg.task == "segmentation" and cfg.eval_tta == "flip-translate":
-        fail("eval_tta", "task=segmentation takes flip (mmseg's flip test) or none")
+    if cfg.eval_tta not in task.eval_tta:  # refused, not silently ignored
+        fail("eval_tta", f"task={cfg.task} takes {' or '.join(task.eval_tta)}")
     if cfg.warmup_iters is not None and cfg.warmup_iters < 0:
         fail("warmup_iters", "must be >= 0")
     m = cfg.decay_milestones

@@ -1,10 +1,10 @@
 """The run, for any task: run directory and lock, resume, the epoch loop, mid-epoch saves and
 preemption, DDP, progress, logs and checkpoints. What is trained comes from a :class:`Task`.
 
-A task (classification in :mod:`lgvit.train`, segmentation in :mod:`lgvit.segment`, detection
-in :mod:`lgvit.detect`) brings what is its own: the model and data (:meth:`Task.prepare`; its
-loaders keep :mod:`lgvit.data.protocol`'s contract), the loss of a batch, an evaluation and the
-config keys a resume may not change. Everything else lives here once.
+A task (one of :mod:`lgvit.tasks`: ``tasks/<name>/train.py``) brings what is its own: the
+model and data (:meth:`Task.prepare`; its loaders keep :mod:`lgvit.data.protocol`'s
+contract), the loss of a batch, an evaluation and the config keys a resume may not change.
+Everything else lives here once.
 
 Read top to bottom: the task interface, what may interrupt an epoch, one epoch, the run.
 """

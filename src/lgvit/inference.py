@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from lgvit.constants import IMAGE_EXTENSIONS
 from lgvit.errors import LgvitError
+from lgvit.tasks import get_task
 
 
 def default_device() -> torch.device:
@@ -60,8 +61,7 @@ def load_model(
         return model.to(resolve_device(device)).eval()
     record = load_record(checkpoint)  # a .pth has none; a malformed one: one line, key named
     if record.is_dense:  # else "Missing key(s) pos_embed", unexplained
-        head = "Semantic FPN" if record.task == "segmentation" else record.detector or "a detector"
-        what = f"{head} on {record.model or '?'}"
+        what = f"{record.detector or get_task(record.task).head} on {record.model or '?'}"
         raise LgvitError(
             f"{checkpoint} is a {record.task} checkpoint ({what}), not a classification model: "
             f"export and viz take classification checkpoints; `lgvit eval` and `lgvit "
@@ -94,7 +94,7 @@ def _released(checkpoint: str, model_name: str | None) -> str | None:
     w = find_weights(str(checkpoint))
     if w is None or Path(checkpoint).exists():
         return None
-    if w.task != "classification":
+    if get_task(w.task).dense:
         raise LgvitError(f"{checkpoint} are {w.task} weights, not a classification model's")
     if model_name is not None and model_name != w.model:
         raise LgvitError(f"{checkpoint} are the weights of {w.model}, but --model {model_name} "

@@ -20,10 +20,11 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from lgvit.constants import MAX_DENSE_SCALE
 from lgvit.errors import LgvitError
+from lgvit.tasks import DEFAULT_TASK, TASK_NAMES, get_task
 
 __all__ = [
     "CheckpointRecord",
@@ -69,7 +70,7 @@ class CheckpointRecord:
     """What a checkpoint of any task carries; None: the checkpoint does not say (the model's or
     the data's own value applies). Field order is the on-disk key order."""
 
-    task: str = "classification"
+    task: str = DEFAULT_TASK
     detector: str | None = None  # detection: retinanet | maskrcnn
     model: str | None = None  # the registered model (for dense tasks, the backbone)
     img_size: int | None = None  # the backbone's build size (crop for segmentation)
@@ -84,23 +85,17 @@ class CheckpointRecord:
     det_scale: tuple[int, int] | None = None  # detection: (long, short) image sides
     crop_pct: float | None = None  # read, never written: a foreign or hand-edited header's
 
-    # What a key a checkpoint lacks means. lgvit's first classification checkpoints named no
-    # task and no model_kwargs; the LIT authors' mmseg/mmdet files carry no header at all:
-    # ADE20K's or COCO's classes (from lgvit.data) and their configs' test scales.
-    SEG_SCALE: ClassVar[tuple[int, int]] = (2048, 512)
-    SEG_IMG_SIZE: ClassVar[int] = 512  # their crop; a detector's is its short side
-    DET_SCALE: ClassVar[tuple[int, int]] = (1333, 800)
-
     @property
     def is_dense(self) -> bool:
-        return self.task in ("segmentation", "detection")
+        """A segmenter's or detector's checkpoint (the task's ``dense``), not a classifier's."""
+        return get_task(self.task).dense
 
     def to_meta(self) -> dict[str, str]:
         """The header's strings: every field that is set, in field order."""
         meta: dict[str, str] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None or (f.name == "task" and value == "classification"):
+            if value is None or (f.name == "task" and value == DEFAULT_TASK):
                 continue  # not stored; a classification checkpoint has never named its task
             meta[f.name] = _encode(value)
         return meta
@@ -119,9 +114,9 @@ class CheckpointRecord:
         for key, (want, parse) in _PARSERS.items():
             if key in meta and not (key == "crop_pct" and not meta[key]):  # "": none
                 values[key] = _parse(meta, key, source, want, parse)
-        values.setdefault("task", "classification")
+        values.setdefault("task", DEFAULT_TASK)
         if task is not None and task != values["task"]:
-            if any(key in meta for key in _PARSERS):
+            if cls.is_lgvit_header(meta):
                 raise LgvitError(f"{source}: a {values['task']} checkpoint, not a {task} one")
             values["task"] = task
         for key, value in cls.defaults(values).items():
@@ -132,24 +127,16 @@ class CheckpointRecord:
     @classmethod
     def defaults(cls, values: Mapping[str, Any]) -> dict[str, Any]:
         """The values of the keys a header of ``values['task']`` may lack (given ``values``,
-        the ones it has)."""
-        task = values.get("task", "classification")
-        if task == "classification":
-            return {"model_kwargs": {}}
-        if task == "segmentation":
-            out: dict[str, Any] = {"img_size": cls.SEG_IMG_SIZE, "seg_scale": cls.SEG_SCALE}
-            if "classes" not in values:
-                from lgvit.data.segmentation import ADE20K_CLASSES
+        the ones it has): the task's own ``record_defaults`` (:mod:`lgvit.tasks`). lgvit's first
+        classification checkpoints named no task and no model_kwargs; the LIT authors'
+        mmseg/mmdet files carry no header at all."""
+        return get_task(values.get("task", DEFAULT_TASK)).record_defaults(dict(values))
 
-                out["classes"] = tuple(ADE20K_CLASSES)
-            return out
-        scale = values.get("det_scale", cls.DET_SCALE)
-        out = {"det_scale": cls.DET_SCALE, "img_size": min(scale)}
-        if "classes" not in values:
-            from lgvit.data.coco import COCO_CAT_IDS, COCO_CLASSES
-
-            out.update(classes=tuple(COCO_CLASSES), cat_ids=tuple(COCO_CAT_IDS))
-        return out
+    @staticmethod
+    def is_lgvit_header(meta: Mapping[str, str]) -> bool:
+        """Whether a header holds any of the record's keys (an lgvit checkpoint, whose task is
+        then its record's); a foreign file's header holds none."""
+        return any(key in meta for key in _PARSERS)
 
 
 def _encode(value: Any) -> str:
@@ -191,9 +178,7 @@ def _one_of(names: Callable[[], tuple[str, ...]]) -> Callable[[str], str]:
 
 
 def _tasks() -> tuple[str, ...]:
-    from lgvit.config import TASKS
-
-    return TASKS
+    return TASK_NAMES
 
 
 def _detectors() -> tuple[str, ...]:
@@ -235,7 +220,7 @@ _SIZES = f"two sizes (pixels, at most {MAX_DENSE_SCALE})"
 # Each key: what a good value is (the error's words) and its parser (ValueError or TypeError:
 # malformed), in the record's field order.
 _PARSERS: dict[str, tuple[str, Callable[[str], Any]]] = {
-    "task": ("one of classification, segmentation, detection", _one_of(_tasks)),
+    "task": (f"one of {', '.join(TASK_NAMES)}", _one_of(_tasks)),
     "detector": ("one of retinanet, maskrcnn", _one_of(_detectors)),
     "model": ("a model name", _text),
     "img_size": ("a positive whole number", _whole),
@@ -274,11 +259,11 @@ def _check_together(values: Mapping[str, Any], meta: Mapping[str, str], source: 
     detection's class index is looked up in ``cat_ids``. (A classifier's names may be fewer
     than its outputs: the rest are named by index.)"""
     classes, n = values.get("classes"), values.get("num_classes")
-    dense = values["task"] in ("segmentation", "detection")
+    dense = get_task(values["task"]).dense
     if dense and classes is not None and n is not None and n != len(classes):
         raise _bad(meta, "num_classes", source, f"the number of its {len(classes)} classes")
     ids = values.get("cat_ids")
-    if values["task"] == "detection" and ids is None:
+    if get_task(values["task"]).needs_cat_ids and ids is None:
         raise LgvitError(f"{source}: metadata names classes but no cat_ids (the COCO category "
                          "id of each class)")  # fmt: skip
     if ids is not None and classes is not None and len(ids) != len(classes):

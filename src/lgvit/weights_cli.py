@@ -27,6 +27,7 @@ from lgvit.models.weights import (
     split_tag,
     weights_of,
 )
+from lgvit.tasks import get_task
 
 LSA_NOTE = (
     "The LSA authors' models are only in a Google Drive folder (linked from "
@@ -53,22 +54,15 @@ def entry(name: str) -> Weights:
 
 def verifier(w: Weights) -> Callable[[Path], Any]:
     """Loads a downloaded file strictly into the model ``w`` belongs to (as registered)."""
-    if w.task == "classification":
+    task = get_task(w.task)
+    if not task.dense:
         from lgvit.models import create_model
 
         return lambda path: create_model(w.model, checkpoint_path=str(path))
     from lgvit.dense.pretrained import load_dense_file
 
     def verify(path: Path) -> None:
-        if w.task == "detection":
-            from lgvit.dense.detection import create_detector
-
-            model, what = create_detector(w.detector, w.model, w.num_classes), w.detector
-        else:
-            from lgvit.dense.semfpn import create_segmenter
-
-            model, what = create_segmenter(w.model, w.num_classes), "Semantic FPN"
-        load_dense_file(model, path, w.task, f"{what} on {w.model}")
+        load_dense_file(task.build_released(w), path, f"{w.detector or task.head} on {w.model}")
 
     return verify
 
@@ -118,7 +112,7 @@ def convert_weights(source: str, out: str, model_name: str | None = None) -> int
 
     if not Path(source).exists() and (find_weights(source) or "." not in source):
         w = entry(source)
-        if w.task != "classification":
+        if get_task(w.task).dense:
             raise LgvitError(
                 f"{w.name} is a {w.task} model; the hub layout holds classification models "
                 f"(evaluate it with lgvit eval --checkpoint {w.name})"
@@ -144,7 +138,7 @@ def _claim_release(model: Any, model_name: str, path: Path, sha: str) -> None:
     pinned or recorded in the cache for the release of that file name (a fine-tuned file of the
     same name gets a plain card)."""
     for w in weights_of(model_name):
-        if w.task == "classification" and w.filename == path.name:
+        if not get_task(w.task).dense and w.filename == path.name:
             known = w.sha256 or (read_record(cached_file(w)) or {}).get("sha256")
             if known == sha:
                 model.pretrained_cfg.update(w.pretrained_cfg(), num_classes=model.num_classes)

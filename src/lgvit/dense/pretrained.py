@@ -18,27 +18,28 @@ import torch.nn as nn
 
 from lgvit.errors import LgvitError
 from lgvit.models.weights import Weights, find_weights
+from lgvit.tasks import get_task
 
 
-def load_dense_file(model: nn.Module, path: str | Path, task: str, what: str) -> None:
+def load_dense_file(model: nn.Module, path: str | Path, what: str) -> None:
     """Load a dense checkpoint file into ``model`` strictly: an lgvit one as it is, the authors'
-    mmdet (``task`` detection) or mmseg (segmentation) layout mapped first; non-finite weights
-    refused."""
+    mmdet or mmseg layout mapped first (mmdet's is tested first: its FPN neck has mmseg's
+    keys too); non-finite weights refused."""
     from lgvit.checkpoint import check_finite_weights, load_into, load_weights
     from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
     from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
 
     weights = load_weights(path)
-    if task == "detection" and is_mmdet_layout(weights):
+    if is_mmdet_layout(weights):
         weights = mmdet_to_lgvit(weights, model, str(path))
-    elif task == "segmentation" and is_mmseg_layout(weights):
+    elif is_mmseg_layout(weights):
         weights = mmseg_to_lgvit(weights, model, str(path))
     load_into(model, weights, str(path), what)
     check_finite_weights(model, path)
 
 
 def _what(w: Weights) -> str:
-    return f"{w.detector} on {w.model}" if w.task == "detection" else f"Semantic FPN on {w.model}"
+    return f"{w.detector or get_task(w.task).head} on {w.model}"
 
 
 def check_classes(w: Weights, num_classes: int | None) -> None:
@@ -62,7 +63,7 @@ def create_released(
 
     def verify(path: Path) -> nn.Module:
         model = build()
-        load_dense_file(model, path, w.task, _what(w))
+        load_dense_file(model, path, _what(w))
         return model
 
     got = fetch(w, verify, cache_dir)
@@ -71,7 +72,7 @@ def create_released(
     else:
         model = build(**kwargs)
         with quiet_left_out():
-            load_dense_file(model, got.path, w.task, _what(w))
+            load_dense_file(model, got.path, _what(w))
     model.pretrained_cfg = {**model.pretrained_cfg, **w.pretrained_cfg()}
     return model
 
@@ -96,6 +97,6 @@ def released_checkpoint(
     from lgvit.models.download import fetch
 
     def verify(path: Path) -> None:
-        load_dense_file(build(w), path, w.task, _what(w))
+        load_dense_file(build(w), path, _what(w))
 
     return str(fetch(w, verify).path), w

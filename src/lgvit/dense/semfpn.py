@@ -5,7 +5,7 @@ backbone maps (strides s0 < s1 < ...) -> FPN (torchvision's ``FeaturePyramidNetw
 laterals, nearest top-down sums, 3x3 outputs; 256 channels) -> per level a stack of
 3x3 conv + norm + ReLU (128 channels), each followed by 2x bilinear upsampling until stride
 s0 -> sum -> dropout 0.1 -> 1x1 classifier -> bilinear resizing to the input. Losses and
-metrics live in :mod:`lgvit.segment`.
+metrics live in :mod:`lgvit.tasks.segmentation.train`.
 """
 
 from __future__ import annotations

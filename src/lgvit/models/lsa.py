@@ -233,9 +233,10 @@ class ShiftEmbedding(nn.Module):
 
     def _index(self, H: int, W: int, device: torch.device) -> tuple[torch.Tensor, tuple[int, int]]:
         k, s, p = self.kernel_size, self.stride, self.padding
-        if is_symbolic((H, W)):
+        if is_symbolic((H, W)) or torch.compiler.is_compiling():
             # torch.export with a dynamic height/width: the index is part of the graph, built
-            # from the symbolic sizes with tensor ops (a fixed size keeps it a constant).
+            # from the symbolic sizes with tensor ops (a fixed size keeps it a constant); under
+            # torch.compile too, whose tracer cannot read the cache key's inference mode.
             idx, grid = shift_patch_index(self.shifts, H, W, k, s, p, self.in_chans, self.mode)
             return idx.to(device), grid
         # An index built under inference_mode is an inference tensor, which autograd may not

@@ -55,10 +55,11 @@ def timm_default_cfgs(names: list[str]) -> dict[str, Any]:
     from timm.models import generate_default_cfgs
 
     from lgvit.models.weights import weights_of
+    from lgvit.tasks import get_task
 
     cfgs: dict[str, dict[str, Any]] = {}
     for n in names:
-        released = [w for w in weights_of(n) if w.task == "classification"]
+        released = [w for w in weights_of(n) if not get_task(w.task).dense]
         for w in released:
             cfgs[w.name] = {**timm_pretrained_cfg(n), **w.pretrained_cfg()}
         if not released:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lgvit.errors import LgvitError
+from lgvit.tasks import DEFAULT_TASK, get_task
 
 __all__ = [
     "Weights",
@@ -30,7 +31,6 @@ __all__ = [
     "split_tag",
 ]
 
-TASKS = ("classification", "detection", "segmentation")
 
 _LIT = dict(
     license="apache-2.0",
@@ -65,7 +65,7 @@ class Weights:
     model: str
     tag: str
     url: str
-    task: str = "classification"
+    task: str = DEFAULT_TASK  # a name of lgvit.tasks
     detector: str | None = None  # retinanet | maskrcnn, for task "detection"
     dataset: str = "imagenet"
     num_classes: int = 1000
@@ -180,7 +180,7 @@ def weights_of(model: str) -> list[Weights]:
     return [w for w in WEIGHTS if w.model == model]
 
 
-def default_weights(model: str, task: str = "classification",
+def default_weights(model: str, task: str = DEFAULT_TASK,
                     detector: str | None = None) -> Weights | None:  # fmt: skip
     """``model``'s first entry for ``task`` (and ``detector``), or None."""
     return next((w for w in WEIGHTS if w.model == model and w.task == task
@@ -188,14 +188,10 @@ def default_weights(model: str, task: str = "classification",
 
 
 def _builder(w: Weights) -> str:
-    if w.task == "detection":
-        return f"create_detector('{w.detector}', '{w.model}', pretrained=True)"
-    if w.task == "segmentation":
-        return f"create_segmenter('{w.model}', pretrained=True)"
-    return f"create_model('{w.name}', pretrained=True)"
+    return get_task(w.task).loads_released.format(name=w.name, model=w.model, detector=w.detector)
 
 
-def resolve_weights(name: str, task: str = "classification",
+def resolve_weights(name: str, task: str = DEFAULT_TASK,
                     detector: str | None = None) -> Weights:  # fmt: skip
     """The entry ``name`` (``model`` or ``model.tag``) stands for when ``task`` is built.
 

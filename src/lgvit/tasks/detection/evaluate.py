@@ -165,7 +165,7 @@ def load_detector(
         raise LgvitError(f"{checkpoint}: no backbone or detector stored in it; pass --model "
                          "NAME and --detector retinanet|maskrcnn")  # fmt: skip
     classes, cat_ids = list(record.classes or ()), list(record.cat_ids or ())
-    scale = record.det_scale or record.DET_SCALE  # (long, short) sides
+    scale = record.det_scale  # (long, short) sides
     long, short = max(scale), min(scale)
     model = create_detector(kind, name, len(classes), min_size=short, max_size=long,
                             img_size=record.img_size)  # fmt: skip

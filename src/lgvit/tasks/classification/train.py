@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,13 +22,13 @@ from lgvit.data.datasets import DatasetSplits, load_dataset
 from lgvit.data.loader import AugmentConfig
 from lgvit.data.stream import make_loader
 from lgvit.data.transforms import soft_target_cross_entropy
-from lgvit.engine import Prepared, run
+from lgvit.engine import Prepared
 from lgvit.errors import LgvitError, first_line
-from lgvit.evaluate import evaluate
 from lgvit.models import create_model, get_model_config, is_model, list_models
 from lgvit.optim import param_groups
 from lgvit.record import CheckpointRecord
 from lgvit.runtime import Dist, autocast, barrier
+from lgvit.tasks.classification.evaluate import evaluate
 
 
 def train_size_at(epoch: int, cfg: TrainConfig, full: int) -> int:
@@ -232,35 +231,6 @@ class ClassificationTask:
         return (train_size_at(epoch, self.cfg, self.img_size) / self.img_size) ** 1.5
 
 
-def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
-    """Run (or resume) a run of ``cfg.task`` as configured; returns the last epoch's metrics.
-    See :func:`lgvit.engine.run` for resuming and the run directory."""
-    task = resumed_task(cfg)
-    if task == "segmentation":
-        from lgvit.segment import SegmentationTask
-
-        return run(cfg, SegmentationTask(), explicit)
-    if task == "detection":
-        from lgvit.detect import DetectionTask
-
-        return run(cfg, DetectionTask(), explicit)
-    return run(cfg, ClassificationTask(), explicit)
-
-
-def resumed_task(cfg: TrainConfig) -> str:
-    """The task of the run ``cfg.resume`` continues, from its checkpoint's metadata (dense
-    checkpoints name theirs; none is classification), else ``cfg.task``: ``lgvit train --out
-    RUN --resume auto`` alone must resume any task's run, and the command line's default task
-    is classification. A task given explicitly that differs is refused by the task's
-    ``identity_keys``; a missing or broken checkpoint is left to the engine to report."""
-    from lgvit.checkpoint import checkpoint_paths, load_record
-
-    if not cfg.resume:
-        return cfg.task
-    stem = Path(cfg.out) / "last" if cfg.resume == "auto" else Path(cfg.resume)
-    if stem.is_dir():
-        stem = stem / "last"
-    try:
-        return load_record(checkpoint_paths(stem)[0], strict=True).task
-    except LgvitError:
-        return cfg.task
+def make_task() -> ClassificationTask:
+    """The task the engine runs (:mod:`lgvit.tasks`' registry calls it)."""
+    return ClassificationTask()

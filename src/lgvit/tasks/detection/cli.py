@@ -10,22 +10,45 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from lgvit.config import DETECTORS
 from lgvit.errors import LgvitError
+from lgvit.tasks.flags import Flag
+
+# mmdet's 1x configs test without augmentation: detection takes no --tta.
+_DETECTOR = dict(choices=DETECTORS,
+                 help="the detector of an authors' mmdet .pth (with --model)")  # fmt: skip
+EVAL_FLAGS = (
+    Flag("--cache-dir", help="where an image folder's decoded images are cached"),
+    Flag("-j", "--workers", type=int, default=2, help="decoding processes for an image folder"),
+    Flag("--predictions", metavar="FILE",
+         help="the detections in COCO's results format (JSON; masks in FILE.segm.json)"),
+    Flag("--detector", **_DETECTOR),
+    Flag("--any-classes", action="store_true",
+         help="evaluate even if the checkpoint's category ids differ from the data's"),
+)  # fmt: skip
+PREDICT_FLAGS = (
+    Flag("--out", help="the folder for each image's boxes drawn (PNG) and listed (JSON) "
+         "(required)"),
+    Flag("--detector", **_DETECTOR),
+    Flag("--score-thr", type=float, default=0.3, help="draw boxes scoring at least this"),
+)  # fmt: skip
 
 
-def eval_detection(args: argparse.Namespace) -> int:
+def run_eval(args: argparse.Namespace) -> int:
     """COCO bbox (and segm) AP of a detection checkpoint on ``--data-dir``'s val split, by
     pycocotools' COCOeval; ``--predictions F.json`` keeps the detections in COCO's results
     format (bbox in F.json, masks in F.segm.json) for anyone to rerun COCOeval on."""
     from lgvit.atomic import atomic_write_bytes
     from lgvit.data.coco import COCO_DATASETS, DetEvalLoader, load_coco_split, require_masks
-    from lgvit.dense.coco_eval import STATS, evaluate_detection, load_detector
     from lgvit.runtime import Dist, resolve_amp
+    from lgvit.tasks.detection.evaluate import STATS, evaluate_detection, load_detector
 
     if args.data not in COCO_DATASETS:
         raise LgvitError(f"{args.checkpoint} is a detector; evaluate it on --data coco")
-    if args.tta != "none":  # mmdet's 1x configs test without augmentation; none is built here
-        raise LgvitError(f"--tta {args.tta}: detection eval has no test-time augmentation")
+    if args.predictions:  # checked before the whole evaluation runs
+        from lgvit.atomic import check_writable
+
+        check_writable(args.predictions, "--predictions")
     model = load_detector(args.checkpoint, args.device, args.model, args.detector)
     info = model.det_info
     split = load_coco_split(args.data_dir, "val", args.cache_dir)
@@ -81,14 +104,12 @@ def _ids(ids: list[int]) -> str:
     return ", ".join(map(str, ids[:5])) + (", ..." if len(ids) > 5 else "")
 
 
-def predict_detection(args: argparse.Namespace) -> int:
+def run_predict(args: argparse.Namespace) -> int:
     """Per image, in ``--out``: ``NAME_det.png`` (boxes with class names and scores, masks
     tinted, those scoring at least ``--score-thr``) and ``NAME_det.json`` (every detection: box
     ``[x1, y1, x2, y2]`` in pixels, class name, COCO category id, score; also printed with
     ``--json``), NAME distinct per input (:func:`~lgvit.inference.output_stems`)."""
     from lgvit.atomic import atomic_write_bytes
-    from lgvit.dense.coco_eval import detect, load_detector
-    from lgvit.dense.evaluate import palette
     from lgvit.inference import (
         expand_images,
         output_dir,
@@ -96,7 +117,9 @@ def predict_detection(args: argparse.Namespace) -> int:
         read_images,
         report_predictions,
     )
-    from lgvit.segment_cli import save_png
+    from lgvit.tasks.detection.evaluate import detect, load_detector
+    from lgvit.tasks.segmentation.cli import save_png
+    from lgvit.tasks.segmentation.evaluate import palette
 
     if not args.out:
         raise LgvitError("detection predict draws its boxes: pass --out DIR")

@@ -3,10 +3,10 @@ torchvision's RetinaNet and Mask R-CNN on any pyramid model, LIT's COCO 1x recip
 (the shipped configs coco_*).
 
 The task brings the detector (:mod:`lgvit.dense.detection`), COCO data read with pycocotools
-(:mod:`lgvit.data.coco`), the detector's own losses and COCOeval (:mod:`lgvit.dense.coco_eval`);
-the run, its checkpoints, resume, preemption, DDP and logs are the engine's. Images stay uint8
-until the device: the detector's transform resizes them to ``det_scale``, normalises and pads
-them to a multiple of 32 there.
+(:mod:`lgvit.data.coco`), the detector's own losses and COCOeval
+(:mod:`lgvit.tasks.detection.evaluate`); the run, its checkpoints, resume, preemption, DDP
+and logs are the engine's. Images stay uint8 until the device: the detector's transform
+resizes them to ``det_scale``, normalises and pads them to a multiple of 32 there.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ class DetectionTask:
     def evaluate(
         self, model: nn.Module, loader: Any, d: Dist, amp: torch.dtype | None, desc: str
     ) -> dict[str, Any]:
-        from lgvit.dense.coco_eval import evaluate_detection
+        from lgvit.tasks.detection.evaluate import evaluate_detection
 
         masks = self.cfg.detector == "maskrcnn"
         result = evaluate_detection(model, loader, self.val, self.label_offset, d, amp, desc,
@@ -190,3 +190,8 @@ class DetectionTask:
 
     def epoch_cost(self, epoch: int) -> float:
         return 1.0
+
+
+def make_task() -> DetectionTask:
+    """The task the engine runs (:mod:`lgvit.tasks`' registry calls it)."""
+    return DetectionTask()

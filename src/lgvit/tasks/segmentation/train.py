@@ -3,8 +3,8 @@ model, LIT's ADE20K recipe (the shipped configs ade20k_semfpn_*).
 
 The task brings the segmenter (:mod:`lgvit.dense`), the data and mmseg's pipelines
 (:mod:`lgvit.data.segmentation`), the per-pixel cross-entropy and mIoU evaluation
-(:mod:`lgvit.dense.evaluate`); the run, its checkpoints, resume, preemption, DDP and logs are
-the engine's.
+(:mod:`lgvit.tasks.segmentation.evaluate`); the run, its checkpoints, resume, preemption, DDP
+and logs are the engine's.
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ from lgvit.data.segmentation import (
     SegTrainLoader,
     load_seg_split,
 )
-from lgvit.dense.evaluate import evaluate_segmentation, normalise
 from lgvit.engine import Prepared
 from lgvit.errors import LgvitError, first_line
 from lgvit.models import get_model_config, is_model
 from lgvit.record import CheckpointRecord
 from lgvit.runtime import Dist, autocast, barrier
-
-DEFAULT_CROP = 512  # LIT's ADE20K crop
+from lgvit.tasks.segmentation import SEG_CROP
+from lgvit.tasks.segmentation.evaluate import evaluate_segmentation, normalise
 
 
 def segmentation_loss(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -47,7 +46,7 @@ def build_segmenter(cfg: TrainConfig, num_classes: int, d: Dist) -> tuple[nn.Mod
 
     if not is_model(cfg.model):
         raise LgvitError(f"unknown model {cfg.model!r} (`lgvit info` lists the registered ones)")
-    crop = cfg.img_size or DEFAULT_CROP
+    crop = cfg.img_size or SEG_CROP
     sync_bn = d.world_size > 1 and d.device.type == "cuda"  # SyncBatchNorm needs CUDA
     try:
         model = create_segmenter(
@@ -173,3 +172,8 @@ class SegmentationTask:
 
     def epoch_cost(self, epoch: int) -> float:
         return 1.0
+
+
+def make_task() -> SegmentationTask:
+    """The task the engine runs (:mod:`lgvit.tasks`' registry calls it)."""
+    return SegmentationTask()

@@ -11,29 +11,36 @@ import torch
 from PIL import Image
 
 from lgvit.errors import LgvitError
+from lgvit.tasks.flags import Flag
+
+EVAL_FLAGS = (
+    Flag("--cache-dir", help="where an image folder's decoded images are cached"),
+    Flag("-j", "--workers", type=int, default=2, help="decoding processes for an image folder"),
+    Flag("--tta", choices=("none", "flip"), default="none",
+         help="flip: mmseg's flip test (the mean softmax of each image and its mirror image)"),
+    Flag("--any-classes", action="store_true",
+         help="evaluate even if the checkpoint's class names differ from the data's"),
+)  # fmt: skip
+PREDICT_FLAGS = (
+    Flag("--out", help="the folder for each image's mask and overlay PNGs (required)"),
+)
+REFUSAL_HINTS = {  # (command, flag): what to do instead, after the one-line refusal
+    ("eval", "predictions"): "`lgvit predict --checkpoint CHECKPOINT IMAGES --out DIR` writes "
+    "each image's mask",
+}
 
 
-def eval_segmentation(args: argparse.Namespace) -> int:
+def run_eval(args: argparse.Namespace) -> int:
     """mIoU, mAcc, aAcc and per-class IoU of a segmentation checkpoint on a split's whole
     images (mmseg's single-scale ``whole`` inference; ``--tta flip``: its flip test)."""
     from lgvit.data.segmentation import SEG_DATASETS, SegEvalLoader, load_seg_split
-    from lgvit.dense.evaluate import evaluate_segmentation, load_segmenter
     from lgvit.runtime import Dist, resolve_amp
+    from lgvit.tasks.segmentation.evaluate import evaluate_segmentation, load_segmenter
 
     if args.data not in SEG_DATASETS:
         raise LgvitError(
             f"{args.checkpoint} is a segmentation model; evaluate it on {' or '.join(SEG_DATASETS)}"
         )
-    # Flags classification's eval honours and this one cannot: refused, not silently ignored.
-    if args.predictions:
-        raise LgvitError(
-            f"--predictions {args.predictions}: segmentation eval writes no predictions file; "
-            f"`lgvit predict --checkpoint {args.checkpoint} IMAGES --out DIR` writes each "
-            "image's mask"
-        )
-    if args.tta not in ("none", "flip"):
-        raise LgvitError(f"--tta {args.tta}: segmentation eval takes --tta flip (mmseg's flip "
-                         "test) or none")  # fmt: skip
     model = load_segmenter(args.checkpoint, args.device, args.model)
     info = model.seg_info
     split = load_seg_split(args.data, args.data_dir, "val", args.cache_dir)
@@ -75,13 +82,12 @@ def eval_segmentation(args: argparse.Namespace) -> int:
     return 0
 
 
-def predict_segmentation(args: argparse.Namespace) -> int:
+def run_predict(args: argparse.Namespace) -> int:
     """Per image: ``NAME_mask.png`` (class indices, 8-bit) and ``NAME_overlay.png`` (the
     image with the classes' colours at 50%), in ``--out``, NAME distinct per input
     (:func:`~lgvit.inference.output_stems`); a JSON line per image with the files written,
     the classes found and their share of the pixels."""
     from lgvit.data.segmentation import eval_sample
-    from lgvit.dense.evaluate import load_segmenter, palette, predict_logits
     from lgvit.inference import (
         expand_images,
         output_dir,
@@ -89,6 +95,7 @@ def predict_segmentation(args: argparse.Namespace) -> int:
         read_images,
         report_predictions,
     )
+    from lgvit.tasks.segmentation.evaluate import load_segmenter, palette, predict_logits
 
     if not args.out:
         raise LgvitError("segmentation predict writes PNGs: pass --out DIR")

@@ -1,5 +1,6 @@
 """Semantic segmentation: loading a segmenter, scoring it (mmseg's mIoU/mAcc/aAcc), predicting
-masks. Used by ``lgvit eval``/``predict`` and by the training task (:mod:`lgvit.segment`).
+masks. Used by ``lgvit eval``/``predict`` and by the training task
+(:mod:`lgvit.tasks.segmentation.train`).
 
 The scores accumulate per class over the whole split, as mmseg's ``eval_metrics``: for class
 c, the intersection (pixels labelled c and predicted c), the union, the predicted and the
@@ -156,7 +157,7 @@ def load_segmenter(
     check_finite_weights(model, checkpoint)
     cfg = model.pretrained_cfg  # the backbone's normalisation, where the checkpoint has none
     model.seg_info = {
-        "classes": classes, "scale": list(record.seg_scale or record.SEG_SCALE), "backbone": name,
+        "classes": classes, "scale": list(record.seg_scale), "backbone": name,
         "mean": list(record.mean or cfg.get("mean", (0.485, 0.456, 0.406))),
         "std": list(record.std or cfg.get("std", (0.229, 0.224, 0.225))),
     }  # fmt: skip

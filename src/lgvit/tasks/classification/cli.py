@@ -1,0 +1,182 @@
+"""``lgvit eval`` and ``lgvit predict`` for classification checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from lgvit.errors import LgvitError
+from lgvit.tasks import get_task
+from lgvit.tasks.flags import Flag
+
+TTA_HELP = ("flip: average the logits of each image and its mirror image; flip-translate: also "
+            "of the two one-pixel shifts and their mirror images (six views)")  # fmt: skip
+EVAL_FLAGS = (
+    Flag("--cache-dir", help="where an image folder's decoded images are cached"),
+    Flag("--img-size", type=int, help="default: the size it was trained at"),
+    Flag("--crop-pct", type=float, help="default: the model's (e.g. 0.875, 0.9)"),
+    Flag("--interpolation", help="bicubic | bilinear | nearest (default: the model's)"),
+    Flag("--mean", type=float, nargs=3, metavar="V", help="default: the model's"),
+    Flag("--std", type=float, nargs=3, metavar="V", help="default: the model's"),
+    Flag("--class-map", help="class index per folder name: one name per line, or 'name index' "
+         "lines (default: folders in natural order)"),
+    Flag("--real-labels", metavar="FILE",
+         help="ImageNet-ReaL's real.json: also report ReaL top-1/top-5"),
+    Flag("--predictions", metavar="FILE",
+         help="a CSV: image, label, top-5 classes and probabilities"),
+    Flag("--batch-size", type=int, default=128, help="images per batch"),
+    Flag("-j", "--workers", type=int, default=2, help="decoding processes for an image folder"),
+    Flag("--tta", choices=("none", "flip", "flip-translate"), default="none", help=TTA_HELP),
+    Flag("--any-classes", action="store_true",
+         help="evaluate even if the checkpoint's class names differ from the data's"),
+)  # fmt: skip
+PREDICT_FLAGS = (
+    Flag("--img-size", type=int, help="default: the size it was trained at"),
+    Flag("--topk", type=int, default=5, help="how many classes per image"),
+)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Top-1/top-5, per-class accuracy (and ImageNet-ReaL) of a classifier on a test split,
+    preprocessed as the model was trained (each step overridable with timm's flags)."""
+    if args.data not in get_task("classification").datasets:
+        raise LgvitError(f"{args.checkpoint} is a classifier; evaluate it on one of "
+                         f"{', '.join(get_task('classification').datasets)}")  # fmt: skip
+    if args.predictions:  # checked before the whole evaluation runs
+        from lgvit.atomic import check_writable
+
+        check_writable(args.predictions, "--predictions")
+    from lgvit.data.datasets import FileImageSet, load_test_split
+    from lgvit.data.loader import AugmentConfig
+    from lgvit.data.stream import make_loader
+    from lgvit.inference import load_model, resolve_preprocessing
+    from lgvit.runtime import Dist, resolve_amp
+    from lgvit.tasks.classification.evaluate import (
+        RealLabels,
+        TopKRecorder,
+        evaluate,
+        real_accuracy,
+        write_predictions,
+    )
+
+    real = RealLabels(args.real_labels) if args.real_labels else None  # bad file: fail first
+    model = load_model(args.checkpoint, args.device, args.model, args.img_size)
+    device = next(model.parameters()).device
+    pre = resolve_preprocessing(model, crop_pct=args.crop_pct, interpolation=args.interpolation,
+                                mean=args.mean, std=args.std)  # fmt: skip
+    split = load_test_split(args.data, args.data_dir, img_size=pre.size,
+                            cache_dir=args.cache_dir, class_map=args.class_map)  # fmt: skip
+    _check_eval_classes(args, model, split.classes)
+    files = isinstance(split, FileImageSet)
+    names = split.paths if files else [f"{args.data}/test/{i}" for i in range(len(split))]
+    real_sets = real.for_images(names, model.num_classes) if real else None
+    aug = AugmentConfig(img_size=pre.size, crop_pct=pre.crop_pct,
+                        interpolation=pre.interpolation, mean=pre.mean, std=pre.std)  # fmt: skip
+    loader = make_loader(split, args.batch_size, num_classes=len(split.classes), train=False,
+                         aug=aug, with_index=True, workers=args.workers)  # fmt: skip
+    if not args.json:
+        print(f"preprocessing: {pre.describe()}", flush=True)
+    recorder = TopKRecorder(k=5) if real or args.predictions else None  # per-image top-5
+    amp = resolve_amp(args.amp, device)
+    res = evaluate(model, loader, len(split.classes), Dist(device=device), amp, tta=args.tta,
+                   on_batch=recorder)  # fmt: skip
+    res.update(checkpoint=str(args.checkpoint), data=args.data, images=len(split),
+               unreadable=len(split) - res["count"], preprocessing=pre.to_dict(),
+               classes=list(split.classes))  # fmt: skip
+    if recorder is not None:
+        idx, labels, top, probs = recorder.result()
+        if real_sets is not None:
+            res.update(real_accuracy(top, [real_sets[i] for i in idx.tolist()]))
+        if args.predictions:
+            names = [names[i] for i in idx.tolist()]
+            write_predictions(args.predictions, names, labels, top, probs)
+            res["predictions"] = str(args.predictions)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        _print_eval(args, res)
+    return 0
+
+
+def _check_eval_classes(args: argparse.Namespace, model: Any, classes: Sequence[str]) -> None:
+    """The data's classes must be the head's: as many, and (when the checkpoint names them) the
+    same names in the same order unless ``--any-classes``."""
+    n_data, n_head = len(classes), model.num_classes
+    if n_data != n_head:
+        raise LgvitError(
+            f"{args.checkpoint} has a {n_head}-class head but {args.data} has {n_data} classes; "
+            "fine-tune it with `lgvit train`, evaluate on a dataset with the same classes, or "
+            "give the class indices with --class-map"
+        )
+    trained_on = model.pretrained_cfg.get("label_names")
+    if trained_on and list(trained_on) != list(classes) and not args.any_classes:
+        raise LgvitError(
+            f"{args.checkpoint} was trained on classes {_preview(trained_on)} but {args.data} "
+            f"has {_preview(classes)}; pass --any-classes to evaluate anyway (class i of the "
+            "data is then class i of the model)"
+        )
+
+
+def _print_eval(args: argparse.Namespace, res: dict[str, Any]) -> None:
+    print(f"{args.checkpoint} on {args.data} ({res['count']} test images)")
+    if res["unreadable"]:
+        print(f"  {res['unreadable']} unreadable image(s) left out")
+    if len(res["classes"]) <= 100:  # ImageNet's thousand rows are in --json
+        for cls, acc in zip(res["classes"], res["per_class_acc"], strict=True):
+            print(f"  {cls:20s} {acc:6.2f}%")
+    print(f"top-1 {res['acc1']:.2f}%  top-5 {res['acc5']:.2f}%  loss {res['loss']:.4f}")
+    if "real_acc1" in res:
+        print(f"ReaL top-1 {res['real_acc1']:.2f}%  top-5 {res['real_acc5']:.2f}%  "
+              f"({res['real_count']} images with ReaL labels)")  # fmt: skip
+    if "predictions" in res:
+        print(f"predictions: {res['predictions']}")
+
+
+def _preview(names: Sequence[str], n: int = 3) -> str:
+    return "[" + ", ".join(list(names)[:n]) + (", ...]" if len(names) > n else "]")
+
+
+def _label(classes: Sequence[str] | None, i: int) -> str:
+    """Class ``i``'s name; a head wider than the named classes (``--num-classes`` above the
+    data's) has unnamed outputs: ``class_12``."""
+    if not classes:
+        return str(i)
+    return classes[i] if i < len(classes) else f"class_{i}"
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    """The top-k classes of each image, with their probabilities."""
+    import torch
+
+    from lgvit.inference import load_model, preprocess_images
+
+    if args.topk < 1:
+        raise LgvitError(f"--topk {args.topk}: must be at least 1")
+    from lgvit.inference import expand_images, report_predictions
+
+    images = expand_images(args.images)
+    model = load_model(args.checkpoint, args.device, args.model, args.img_size)
+    device = next(model.parameters()).device
+    classes = model.pretrained_cfg.get("label_names")  # the checkpoint's class names
+    results, failed = [], []
+    for path in images:
+        try:
+            x = preprocess_images(model, [path])  # its normalisation; LgvitError if unreadable
+        except LgvitError as e:  # one bad file among good ones: say so (below), go on
+            failed.append(str(e))
+            continue
+        with torch.no_grad():
+            probs = model(x.to(device)).softmax(-1)[0].cpu()
+        top = probs.topk(min(args.topk, len(probs)))
+        labels = [_label(classes, i) for i in top.indices.tolist()]
+        results.append(
+            {"image": path, "top": [[lbl, round(p, 4)] for lbl, p in
+                                    zip(labels, top.values.tolist(), strict=True)]}
+        )  # fmt: skip
+
+    def line(r: dict[str, Any]) -> str:
+        return f"{r['image']}: " + ", ".join(f"{lbl} {100 * p:.1f}%" for lbl, p in r["top"])
+
+    return report_predictions(results, failed, args.json, line)
