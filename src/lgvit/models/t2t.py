@@ -66,6 +66,28 @@ def performer_attention(
 torch.fx.wrap("performer_attention")
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def contiguous_grad(x: torch.Tensor) -> torch.Tensor:
+    """``x``; its gradient made contiguous. The map a performer's tokens become sends back a
+    transposed gradient, and torch.compile's (AOT autograd's) backward of the performer's
+    Linear views it, which fails ("view size is not compatible"); eager reshapes (a copy)."""
+    return _ContiguousGrad.apply(x)
+
+
+torch.fx.wrap("contiguous_grad")  # one node: torch.fx cannot trace into an autograd.Function
+
+
 class TokenPerformer(nn.Module):
     """T2T's performer layer: ``v + proj(linear_attention(LN(x)))``, then a feed-forward.
 
@@ -138,7 +160,7 @@ class TokensToToken(nn.Module):
         hw = (x.shape[-2], x.shape[-1])
         for i, (k, s, p) in enumerate(self.SPLITS):
             if i:
-                x = tokens_to_map(x, hw)
+                x = tokens_to_map(contiguous_grad(x), hw)
             hw = (conv_out_size(hw[0], k, s, p), conv_out_size(hw[1], k, s, p))
             x = F.unfold(x, k, padding=p, stride=s).transpose(1, 2)  # (B, h*w, C*k*k)
             if i < 2:

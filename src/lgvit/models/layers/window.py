@@ -66,6 +66,8 @@ class WindowAttention(Attention):
         self._masks: dict[tuple[Grid, str], torch.Tensor] = {}
 
     def _mask(self, hw: Grid, device: torch.device) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # in the graph: a cache entry added while tracing
+            return shifted_window_mask(hw, self.window, self.shift).to(device)  # recompiles
         key = (tuple(hw), str(device))
         if key not in self._masks:  # built once per grid and device, not per call
             self._masks[key] = shifted_window_mask(hw, self.window, self.shift).to(device)
