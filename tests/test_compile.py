@@ -75,3 +75,17 @@ def test_training_step_is_one_graph_with_eagers_gradients(name):
             continue
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5,
                                    msg=lambda m, key=key: f"{name} {key}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["deit_tiny", "swin_tiny"])
+def test_bf16_autocast_inference_is_one_graph(name):
+    """Under bf16 autocast on the CPU the attention kernel is chosen from the CPU's features
+    (read from /proc/cpuinfo once): a constant to the compiler, not a graph break."""
+    model, size = _model(name)
+    model.eval()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    x = torch.randn(2, *size)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    assert counter.frame_count == 1

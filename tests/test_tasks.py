@@ -199,3 +199,34 @@ def test_a_classifier_refuses_dense_flags_it_once_ignored_or_switched_on(
                  str(tmp_path)])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "is a classifier; evaluate it on one of" in err[0]
+
+
+def test_classification_eval_and_predict_compile_the_model(classifier, tmp_path, capsys,
+                                                           monkeypatch):  # fmt: skip
+    """``--compile`` runs the model through torch.compile (dynamo's eager backend here: the
+    graph is Inductor's, its compilation is what takes minutes), with the same predictions."""
+    import json
+
+    import torch
+    from PIL import Image
+
+    compiled = []
+    real = torch.compile
+
+    def eager_compile(model, **kwargs):  # noqa: ANN001, ANN003
+        compiled.append(model)
+        return real(model, backend="eager", fullgraph=True)
+
+    monkeypatch.setattr(torch, "compile", eager_compile)
+    img = tmp_path / "a.png"
+    Image.new("RGB", (40, 30), (20, 160, 90)).save(img)
+    outs = []
+    for extra in ([], ["--compile"]):
+        code = main(["predict", "--checkpoint", str(classifier), "--json", *extra, str(img)])
+        assert code == 0, capsys.readouterr().err
+        outs.append(json.loads(capsys.readouterr().out))
+    assert len(compiled) == 1 and outs[0] == outs[1]
+    code = main(["eval", "--checkpoint", str(classifier), "--data", "synthetic", "--compile",
+                 "--batch-size", "8", "--json"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    assert len(compiled) == 2 and json.loads(capsys.readouterr().out)["count"] > 0

@@ -24,6 +24,7 @@ import io
 import json
 import statistics
 import textwrap
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -227,8 +228,12 @@ def run_bench(
                 k: make_step(run, input_size, opts.batch_size, k == "train", amp, device=device)
                 for k in kinds
             }
-            for step in steps.values():
-                for _ in range(opts.warmup):
+            for kind, step in steps.items():
+                start = time.perf_counter()
+                step()  # with --compile, the first call compiles (and its backward, training)
+                if opts.compile:
+                    row[f"{kind}_compile_s"] = time.perf_counter() - start
+                for _ in range(opts.warmup - 1):
                     step()
             live.append(_Live(name, model, steps, {k: [] for k in kinds}))
             log(f"  built and warmed up {name}")
@@ -309,6 +314,8 @@ COLUMNS = (
     ("train_mem_mb", "train MB", 0),
     ("paper_train_mem_mb", "paper", 0),
     ("paper_top1", "paper top-1", 1),
+    ("infer_compile_s", "compile s", 1),  # --compile: the first call, compiling included
+    ("train_compile_s", "train compile s", 1),
     ("error", "why it failed", None),
 )
 

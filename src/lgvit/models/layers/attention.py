@@ -9,8 +9,6 @@ stage map).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -82,8 +80,8 @@ def multihead_sdpa(
     return x.view(B, kvh, g, N, d).permute(0, 3, 1, 2, 4).reshape(B, N, num_heads * d)
 
 
-@functools.cache
-def _amx() -> bool:
+@torch.compiler.assume_constant_result  # torch.compile calls it, not traces it (it reads a file)
+def _amx() -> bool:  # cpu_bf16_support is cached: one read of /proc/cpuinfo per process
     from lgvit.runtime import cpu_bf16_support
 
     return cpu_bf16_support() == "amx_bf16"

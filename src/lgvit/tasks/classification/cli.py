@@ -31,11 +31,15 @@ EVAL_FLAGS = (
     Flag("--tta", choices=("none", "flip", "flip-translate"), default="none", help=TTA_HELP),
     Flag("--any-classes", action="store_true",
          help="evaluate even if the checkpoint's class names differ from the data's"),
+    Flag("--compile", action="store_true", help="torch.compile the model (the first batch "
+         "compiles it; outputs as eager's)"),
 )  # fmt: skip
 PREDICT_FLAGS = (
     Flag("--img-size", type=int, help="default: the size it was trained at"),
     Flag("--topk", type=int, default=5, help="how many classes per image"),
-)
+    Flag("--compile", action="store_true", help="torch.compile the model (the first image "
+         "compiles it; outputs as eager's)"),
+)  # fmt: skip
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -63,6 +67,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     real = RealLabels(args.real_labels) if args.real_labels else None  # bad file: fail first
     model = load_model(args.checkpoint, args.device, args.model, args.img_size)
+    run = _compiled(model) if args.compile else model
     device = next(model.parameters()).device
     pre = resolve_preprocessing(model, crop_pct=args.crop_pct, interpolation=args.interpolation,
                                 mean=args.mean, std=args.std)  # fmt: skip
@@ -80,7 +85,7 @@ def run_eval(args: argparse.Namespace) -> int:
         print(f"preprocessing: {pre.describe()}", flush=True)
     recorder = TopKRecorder(k=5) if real or args.predictions else None  # per-image top-5
     amp = resolve_amp(args.amp, device)
-    res = evaluate(model, loader, len(split.classes), Dist(device=device), amp, tta=args.tta,
+    res = evaluate(run, loader, len(split.classes), Dist(device=device), amp, tta=args.tta,
                    on_batch=recorder)  # fmt: skip
     res.update(checkpoint=str(args.checkpoint), data=args.data, images=len(split),
                unreadable=len(split) - res["count"], preprocessing=pre.to_dict(),
@@ -134,6 +139,13 @@ def _print_eval(args: argparse.Namespace, res: dict[str, Any]) -> None:
         print(f"predictions: {res['predictions']}")
 
 
+def _compiled(model: Any) -> Any:
+    """``torch.compile`` of the model, whole (every family compiles without a graph break)."""
+    import torch
+
+    return torch.compile(model)
+
+
 def _preview(names: Sequence[str], n: int = 3) -> str:
     return "[" + ", ".join(list(names)[:n]) + (", ...]" if len(names) > n else "]")
 
@@ -158,6 +170,7 @@ def run_predict(args: argparse.Namespace) -> int:
 
     images = expand_images(args.images)
     model = load_model(args.checkpoint, args.device, args.model, args.img_size)
+    run = _compiled(model) if args.compile else model
     device = next(model.parameters()).device
     classes = model.pretrained_cfg.get("label_names")  # the checkpoint's class names
     results, failed = [], []
@@ -168,7 +181,7 @@ def run_predict(args: argparse.Namespace) -> int:
             failed.append(str(e))
             continue
         with torch.no_grad():
-            probs = model(x.to(device)).softmax(-1)[0].cpu()
+            probs = run(x.to(device)).softmax(-1)[0].cpu()
         top = probs.topk(min(args.topk, len(probs)))
         labels = [_label(classes, i) for i in top.indices.tolist()]
         results.append(
