@@ -5,12 +5,17 @@ the same run). Configurations are timed alternately, round by round, so machine 
 them alike; the table reports per-configuration medians and the speed-up ratios.
 
     python benchmarks/bench_lsa.py                      # ours only
-    python benchmarks/bench_lsa.py --authors-repo /tmp/Locally-SAG-Transformer
+    python benchmarks/bench_lsa.py --authors-repo /tmp/Locally-SAG-Transformer --one-process
+    python benchmarks/bench_lsa.py --authors-repo /tmp/Locally-SAG-Transformer   # as users run
     python benchmarks/bench_lsa.py --baseline-src /tmp/lgvit_old/src   # before/after a change
 
 ``--authors-repo`` points to a checkout of github.com/shellysheynin/Locally-SAG-Transformer
 (it needs ``pip install einops``); their ``cifar/cifar_model.py`` model is built with the
-configuration of their ``main_tiny_cifar.py``. Nothing of theirs is part of lgvit.
+configuration of their ``main_tiny_cifar.py``. Nothing of theirs is part of lgvit. With
+``--one-process`` their model runs in this process beside ours, alternating: the same
+allocator (the one ``lgvit.create_model`` tunes), threads and precision, so the ratio is the
+implementations' own (equal footing); without it, in a process of its own with the default
+allocator, as their scripts run.
 ``--baseline-src`` points to the ``src`` folder of another lgvit checkout (``git worktree add
 /tmp/lgvit_old <commit>``): the same model from that code runs in the second process, so a
 change is measured against what came before it, alternating in one run.
@@ -71,9 +76,11 @@ class LocalRunner:
     def __init__(self) -> None:
         self.steps: dict[tuple, Callable[[], None]] = {}
 
-    def prepare(self, key: tuple, model: nn.Module, batch: int, train: bool, bf16: bool) -> None:
-        amp = torch.bfloat16 if bf16 else None
-        self.steps[key] = make_step(model, (3, 32, 32), batch, train, amp, fused=True)
+    def prepare(
+        self, key: tuple, model: nn.Module, batch: int, train: bool, bf16: bool, fused: bool = True
+    ) -> None:
+        amp = torch.bfloat16 if bf16 else None  # fused: lgvit's AdamW (their scripts: plain)
+        self.steps[key] = make_step(model, (3, 32, 32), batch, train, amp, fused=fused)
         self.steps[key]()  # warm-up (allocations, oneDNN kernel selection)
 
     def time(self, key: tuple) -> float:
@@ -93,6 +100,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (alternating)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--authors-repo", default=None)
+    ap.add_argument(
+        "--one-process",
+        action="store_true",
+        help="the authors' model in this process (equal footing), not in its own",
+    )
     ap.add_argument("--baseline-src", default=None, help="another lgvit checkout's src/ folder")
     ap.add_argument("--modes", nargs="+", default=["infer", "train"])
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -120,7 +132,10 @@ def main() -> None:
     if args.authors_repo and args.baseline_src:
         sys.exit("bench_lsa: give --authors-repo or --baseline-src, not both")
     other = "authors" if args.authors_repo else "baseline"
-    if args.authors_repo:
+    theirs = build_authors_model(args.authors_repo) if args.one_process else None
+    if theirs is not None:
+        authors = LocalRunner()
+    elif args.authors_repo:
         authors = ProcessRunner(
             "bench_lsa:build_authors", (args.authors_repo,), args.threads,
             tuned_malloc=args.authors_tuned_malloc,
@@ -130,14 +145,17 @@ def main() -> None:
             "harness:build_lgvit", (), args.threads, pythonpath=args.baseline_src,
             tuned_malloc=not args.default_malloc,
         )  # fmt: skip
-    other_tuned = args.authors_tuned_malloc or (args.baseline_src and not args.default_malloc)
+    other_tuned = (args.authors_tuned_malloc or (args.baseline_src and not args.default_malloc)
+                   or (theirs is not None and not args.default_malloc))  # fmt: skip
     print(
         f"threads {args.threads}, torch {torch.__version__}, model {args.model}: "
         f"{count_params(ours) / 1e6:.2f}M params, {macs / 1e9:.2f} GMACs/img (ours); "
         f"allocator: lgvit {'default' if args.default_malloc else 'tuned'}"
         + (
             f", {other} {'tuned' if other_tuned else 'default'} "
-            f"({authors.params(args.model) / 1e6:.2f}M params, separate process)"
+            f"({count_params(theirs) / 1e6:.2f}M params, this process: equal footing)"
+            if theirs is not None
+            else f"({authors.params(args.model) / 1e6:.2f}M params, separate process)"
             if authors
             else ""
         )
@@ -165,6 +183,8 @@ def main() -> None:
         impl, mode, prec, bs = c
         if impl == "lgvit":
             local.prepare(c, ours, bs, mode == "train", prec == "bf16")
+        elif theirs is not None:
+            authors.prepare(c, theirs, bs, mode == "train", prec == "bf16", fused=False)
         else:
             authors.prepare(c, args.model, (3, 32, 32), mode == "train", prec == "bf16")
     times: dict[tuple, list[float]] = {c: [] for c in configs}
@@ -209,7 +229,9 @@ def main() -> None:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(
         f"\npeak RSS: lgvit process {rss:.1f} GB"
-        + (f", {other}'s process {authors.close():.1f} GB" if authors else "")
+        + (
+            f", {other}'s process {authors.close():.1f} GB" if authors and theirs is None else ""
+        )  # fmt: skip
         + " (all configurations of each together)"
     )
     if args.json:

@@ -132,3 +132,16 @@ def test_macs_agree_with_the_papers_or_say_why():
         assert close, f"{name}: {got:.3f}G vs the paper's {paper['macs_g']}G and no note"
         checked += 1
     assert checked >= 25
+
+
+def test_compile_time_is_a_column(monkeypatch):
+    """``--compile``: each model's first call (where torch.compile compiles) is reported, for
+    inference and the training step; dynamo's eager backend stands in for Inductor here."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: real(m, backend="eager"))
+    opts = BenchOptions(batch_size=2, img_size=32, rounds=1, train=True, amp="none",
+                        compile=True, memory=False)  # fmt: skip
+    res = run_bench(["lsa_micro_cifar"], opts, log=lambda m: None)
+    row = res["rows"][0]
+    assert row["infer_compile_s"] > 0 and row["train_compile_s"] > 0, row
+    assert "compile s" in format_result(res, "table")
