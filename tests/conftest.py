@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -32,3 +35,18 @@ def one_epoch(tmp_path):
         return train_one_epoch(run, epoch, 0)
 
     return run_epoch
+
+
+@contextlib.contextmanager
+def quick_init() -> Iterator[None]:
+    """Models built inside get a clamped normal where lgvit draws torch's rejection-sampled
+    truncated normal (``nn.init.trunc_normal_``: most of the time of building a model on a
+    CPU), for tests whose checks do not depend on the initial draw."""
+
+    def trunc_normal_(t, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):  # noqa: ANN001, ANN202
+        with torch.no_grad():
+            return t.normal_(mean, std, generator=generator).clamp_(a, b)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.init, "trunc_normal_", trunc_normal_)
+        yield

@@ -10,11 +10,20 @@ import copy
 
 import pytest
 import torch
+from conftest import quick_init
 
 import lgvit
 from lgvit.models.layers import Stage
 
 ALL = lgvit.list_models()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quick_init():
+    """Nothing here depends on the initial draw (finite gradients, equal outputs of two paths
+    of the same weights, shapes, names); most of the time of building a model is it."""
+    with quick_init():
+        yield
 
 
 @pytest.fixture(scope="module", params=ALL)

@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 import torch.fx
+from conftest import quick_init
 from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
 
 import lgvit
@@ -38,6 +39,14 @@ TIMM_TRACED = {
     "lsa_tiny_cifar", "lsa_tiny_224_authors", "deit_tiny", "localvit_tiny", "localvit_t2t_vit_7",
     "tnt_tiny", "pvt_tiny", "lit_ti", "lit_s", "swin_tiny",
 }  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quick_init():
+    """Nothing here depends on the initial draw (traces equal to eager, finite half-precision
+    outputs, strictly loaded adapted weights); this file builds each model three times."""
+    with quick_init():
+        yield
 
 
 @pytest.fixture(scope="module", params=ALL)

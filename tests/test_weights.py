@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import quick_init
 
 import lgvit
 from lgvit.cli import main
@@ -83,16 +84,11 @@ class FakeReleases:
 
 
 @pytest.fixture(autouse=True)
-def quick_init(monkeypatch):
+def _quick_init():
     """Models built here are loaded strictly from a file, which sets every value, so their
-    initial draw does not matter: a plain clamped normal instead of torch's rejection-sampled
-    truncated normal (most of the time of building a model on a CPU)."""
-
-    def trunc_normal_(t, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):  # noqa: ANN001, ANN202
-        with torch.no_grad():
-            return t.normal_(mean, std, generator=generator).clamp_(a, b)
-
-    monkeypatch.setattr(torch.nn.init, "trunc_normal_", trunc_normal_)
+    initial draw does not matter."""
+    with quick_init():
+        yield
 
 
 @pytest.fixture(scope="module")
