@@ -368,18 +368,7 @@ _PROBES = {
 }
 
 
-# The largest builds (LIT-M/B; the LIT-S detectors and segmenter, whose layouts the LIT-Ti ones
-# and test_detection.py, test_segmentation.py already cover) run with LGVIT_TEST_ALL_WEIGHTS=1.
-HEAVY = ("lit_m.in1k_authors", "lit_b.in1k_authors", "lit_s.coco_retinanet_authors",
-         "lit_s.coco_maskrcnn_authors", "lit_s.ade20k_semfpn_authors")  # fmt: skip
-_ALL = os.environ.get("LGVIT_TEST_ALL_WEIGHTS") == "1"
-
-
-@pytest.mark.parametrize("w", [
-    pytest.param(w, id=w.name, marks=pytest.mark.skipif(
-        w.name in HEAVY and not _ALL, reason="a large build: LGVIT_TEST_ALL_WEIGHTS=1 runs it"))
-    for w in WEIGHTS
-])  # fmt: skip
+@pytest.mark.parametrize("w", WEIGHTS, ids=lambda w: w.name)
 def test_every_released_file_downloads_and_loads(w, cache, releases):
     state = _state(w, cheap=True)
     releases.files[w.filename] = _file(w, state)
