@@ -35,6 +35,7 @@ from lgvit.models.layers import (
     Grid,
     LocalityFeedForward,
     Mlp,
+    contiguous_grad,
     conv_out_size,
     to_2tuple,
     tokens_to_map,
@@ -66,26 +67,11 @@ def performer_attention(
 torch.fx.wrap("performer_attention")
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """The identity, whose backward makes the gradient contiguous."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
-def contiguous_grad(x: torch.Tensor) -> torch.Tensor:
-    """``x``; its gradient made contiguous. The map a performer's tokens become sends back a
-    transposed gradient, and torch.compile's (AOT autograd's) backward of the performer's
-    Linear views it, which fails ("view size is not compatible"); eager reshapes (a copy)."""
-    return _ContiguousGrad.apply(x)
-
-
-torch.fx.wrap("contiguous_grad")  # one node: torch.fx cannot trace into an autograd.Function
+# One node: torch.fx cannot trace into the autograd.Function behind it. The map a performer's
+# tokens become sends back a transposed gradient, and torch.compile's (AOT autograd's) backward
+# of the performer's Linear views it, which fails ("view size is not compatible"): made
+# contiguous here, as eager's reshape copies it anyway.
+torch.fx.wrap("contiguous_grad")
 
 
 class TokenPerformer(nn.Module):
