@@ -246,6 +246,19 @@ def read_images(paths: Sequence[str], failed: list[str]) -> Iterator[tuple[str, 
             failed.append(str(e))
 
 
+def images_with_outputs(
+    images: Sequence[str], out: str, failed: list[str]
+) -> Iterator[tuple[str, Path, torch.Tensor]]:
+    """``(path, out / NAME, uint8 (3, H, W))`` of each readable image of ``images`` (from
+    :func:`expand_images`), ``--out`` created and NAME distinct per input
+    (:func:`output_stems`: a.png, a.jpg and b/a.png must not write the same files); each
+    unreadable image's line is appended to ``failed``."""
+    folder = output_dir(out)
+    for path, stem in zip(images, output_stems(images), strict=True):
+        for _, img in read_images([path], failed):
+            yield path, folder / stem, img
+
+
 def report_predictions(
     results: list[dict[str, Any]],
     failed: list[str],

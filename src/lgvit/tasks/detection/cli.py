@@ -110,13 +110,7 @@ def run_predict(args: argparse.Namespace) -> int:
     ``[x1, y1, x2, y2]`` in pixels, class name, COCO category id, score; also printed with
     ``--json``), NAME distinct per input (:func:`~lgvit.inference.output_stems`)."""
     from lgvit.atomic import atomic_write_bytes
-    from lgvit.inference import (
-        expand_images,
-        output_dir,
-        output_stems,
-        read_images,
-        report_predictions,
-    )
+    from lgvit.inference import expand_images, images_with_outputs, report_predictions
     from lgvit.tasks.detection.evaluate import detect, load_detector
     from lgvit.tasks.segmentation.cli import save_png
     from lgvit.tasks.segmentation.evaluate import palette
@@ -127,20 +121,17 @@ def run_predict(args: argparse.Namespace) -> int:
     model = load_detector(args.checkpoint, args.device, args.model, args.detector)
     info = model.det_info
     colours = palette(len(info["classes"]) + 1)[1:]
-    out = output_dir(args.out)
     results: list[dict] = []
     failed: list[str] = []
-    # One name per input: a.png, a.jpg and b/a.png once all wrote a_det.png, the last kept.
-    for path, stem in zip(images, output_stems(images), strict=True):
-        for _, img in read_images([path], failed):
-            (det,) = detect(model, [img])
-            dets = _detections(det, info)
-            png, js = out / f"{stem}_det.png", out / f"{stem}_det.json"
-            labels = (det["labels"] - info["label_offset"]).numpy()
-            save_png(_draw(img, det, dets, colours[labels], args.score_thr), png)
-            result = {"image": path, "drawn": str(png), "json": str(js), "detections": dets}
-            atomic_write_bytes(js, json.dumps(result, indent=1).encode())
-            results.append(result)
+    for path, base, img in images_with_outputs(images, args.out, failed):
+        (det,) = detect(model, [img])
+        dets = _detections(det, info)
+        png, js = Path(f"{base}_det.png"), Path(f"{base}_det.json")
+        labels = (det["labels"] - info["label_offset"]).numpy()
+        save_png(_draw(img, det, dets, colours[labels], args.score_thr), png)
+        result = {"image": path, "drawn": str(png), "json": str(js), "detections": dets}
+        atomic_write_bytes(js, json.dumps(result, indent=1).encode())
+        results.append(result)
 
     def line(r: dict[str, Any]) -> str:
         shown = [d for d in r["detections"] if d["score"] >= args.score_thr]

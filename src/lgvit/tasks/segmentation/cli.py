@@ -88,13 +88,7 @@ def run_predict(args: argparse.Namespace) -> int:
     (:func:`~lgvit.inference.output_stems`); a JSON line per image with the files written,
     the classes found and their share of the pixels."""
     from lgvit.data.segmentation import eval_sample
-    from lgvit.inference import (
-        expand_images,
-        output_dir,
-        output_stems,
-        read_images,
-        report_predictions,
-    )
+    from lgvit.inference import expand_images, images_with_outputs, report_predictions
     from lgvit.tasks.segmentation.evaluate import load_segmenter, palette, predict_logits
 
     if not args.out:
@@ -103,24 +97,21 @@ def run_predict(args: argparse.Namespace) -> int:
     model = load_segmenter(args.checkpoint, args.device, args.model)
     info = model.seg_info
     colours = palette(len(info["classes"]))
-    out = output_dir(args.out)
     results: list[dict] = []
     failed: list[str] = []
-    # One name per input: a.png, a.jpg and b/a.png once all wrote a_mask.png, the last kept.
-    for path, stem in zip(images, output_stems(images), strict=True):
-        for _, img in read_images([path], failed):
-            x = eval_sample(img, info["scale"])[None]
-            logits = predict_logits(model, x, tuple(img.shape[-2:]), info["mean"], info["std"])
-            pred = logits.argmax(1)[0].to(torch.uint8).cpu().numpy()
-            mask, over = out / f"{stem}_mask.png", out / f"{stem}_overlay.png"
-            save_png(Image.fromarray(pred), mask)
-            overlay = 0.5 * img.permute(1, 2, 0).numpy() + 0.5 * colours[pred]
-            save_png(Image.fromarray(overlay.astype(np.uint8)), over)
-            counts = np.bincount(pred.ravel(), minlength=len(colours))
-            share = {info["classes"][c]: round(float(counts[c] / pred.size), 4)
-                     for c in np.argsort(-counts) if counts[c]}  # fmt: skip
-            results.append({"image": path, "mask": str(mask), "overlay": str(over),
-                            "classes": share})  # fmt: skip
+    for path, base, img in images_with_outputs(images, args.out, failed):
+        x = eval_sample(img, info["scale"])[None]
+        logits = predict_logits(model, x, tuple(img.shape[-2:]), info["mean"], info["std"])
+        pred = logits.argmax(1)[0].to(torch.uint8).cpu().numpy()
+        mask, over = Path(f"{base}_mask.png"), Path(f"{base}_overlay.png")
+        save_png(Image.fromarray(pred), mask)
+        overlay = 0.5 * img.permute(1, 2, 0).numpy() + 0.5 * colours[pred]
+        save_png(Image.fromarray(overlay.astype(np.uint8)), over)
+        counts = np.bincount(pred.ravel(), minlength=len(colours))
+        share = {info["classes"][c]: round(float(counts[c] / pred.size), 4)
+                 for c in np.argsort(-counts) if counts[c]}  # fmt: skip
+        results.append({"image": path, "mask": str(mask), "overlay": str(over),
+                        "classes": share})  # fmt: skip
 
     def line(r: dict) -> str:
         top = ", ".join(f"{k} {100 * v:.1f}%" for k, v in list(r["classes"].items())[:5])
