@@ -76,6 +76,32 @@ def test_lgvit_works_without_timm():
     assert out.strip() == "(1, 3)"
 
 
+def test_an_old_timm_imports_beside_lgvit(tmp_path):
+    # timm 0.3.2 (the LocalViT and LIT authors' dependency) has no timm.models._registry: it must
+    # import as it would alone, with one warning, not fail inside lgvit's import hook.
+    models = tmp_path / "timm" / "models"
+    models.mkdir(parents=True)
+    (tmp_path / "timm" / "__init__.py").write_text(
+        "__version__ = '0.3.2'\nfrom .models import create_model\n"
+    )
+    (models / "__init__.py").write_text("def create_model(name):\n    return name\n")
+    for order in ("import lgvit, timm", "import timm, lgvit"):
+        out = _python(
+            f"import sys, warnings; sys.path.insert(0, {str(tmp_path)!r})\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            f"    {order}\n"
+            "print(timm.__version__, timm.create_model('x'))\n"
+            "print(*(str(m.message) for m in w if 'lgvit' in str(m.message)), sep='\\n')\n"
+        )
+        lines = out.strip().splitlines()
+        assert lines[0] == "0.3.2 x", order
+        assert lines[1:] == [
+            "lgvit: timm 0.3.2 has no timm.models._registry (timm >= 0.9 has): "
+            "lgvit's models are not registered in it"
+        ], order
+
+
 def test_every_model_builds_through_timm():
     for name in ALL:
         with torch.device("meta"):

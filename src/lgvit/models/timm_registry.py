@@ -4,7 +4,8 @@ With timm installed, ``import lgvit`` registers every lgvit model in timm's regi
 name (never over one of timm's: a name timm already has is left to timm). timm is not imported
 for it -- that costs about a second -- unless it is already loaded: an import hook registers the
 models right after ``import timm`` finishes, in whichever order the two are imported. Without timm
-nothing happens. :func:`register_in_timm` does the same explicitly.
+nothing happens; a timm older than 0.9 (no ``timm.models._registry``) imports as it would alone,
+with a warning that the models are not registered in it. :func:`register_in_timm` does the same explicitly.
 
 Each registered entrypoint builds the model with :func:`lgvit.create_model`, so timm's arguments
 mean what they mean in lgvit (``num_classes``, ``features_only``, ``out_indices``, ``img_size``,
@@ -22,6 +23,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -162,6 +164,23 @@ def register_in_timm() -> list[str]:
     return list(names)
 
 
+def _register_if_supported(timm: ModuleType) -> None:
+    """Register in a timm that has the registry lgvit writes to (timm >= 0.9); an older timm
+    (0.3.2, which the LocalViT and LIT authors' code imports) is left as it is, with a warning,
+    so that importing it beside lgvit still works."""
+    try:
+        importlib.import_module("timm.models._registry")
+    except ImportError:
+        version = getattr(timm, "__version__", "of unknown version")
+        warnings.warn(
+            f"lgvit: timm {version} has no timm.models._registry (timm >= 0.9 has): "
+            "lgvit's models are not registered in it",
+            stacklevel=2,
+        )
+        return
+    register_in_timm()
+
+
 class _AfterTimmImport(importlib.abc.MetaPathFinder):
     """Registers lgvit's models once ``import timm`` has run (timm stays unimported until the
     user imports it: ``import lgvit`` does not pay for it)."""
@@ -177,7 +196,7 @@ class _AfterTimmImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             run(module)
-            register_in_timm()
+            _register_if_supported(module)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
@@ -192,7 +211,7 @@ def install() -> None:
     """Register now if timm is loaded, else right after it is; nothing if timm is absent."""
     if "timm" in sys.modules:
         if sys.modules["timm"] is not None:  # None: imports of timm are blocked
-            register_in_timm()
+            _register_if_supported(sys.modules["timm"])
         return
     if importlib.machinery.PathFinder.find_spec("timm") is None:
         return
