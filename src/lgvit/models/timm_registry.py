@@ -5,7 +5,8 @@ name (never over one of timm's: a name timm already has is left to timm). timm i
 for it -- that costs about a second -- unless it is already loaded: an import hook registers the
 models right after ``import timm`` finishes, in whichever order the two are imported. Without timm
 nothing happens; a timm older than 0.9 (no ``timm.models._registry``) imports as it would alone,
-with a warning that the models are not registered in it. :func:`register_in_timm` does the same explicitly.
+with a warning that the models are not registered in it. :func:`register_in_timm` does the same
+explicitly.
 
 Each registered entrypoint builds the model with :func:`lgvit.create_model`, so timm's arguments
 mean what they mean in lgvit (``num_classes``, ``features_only``, ``out_indices``, ``img_size``,
