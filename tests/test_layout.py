@@ -5,6 +5,8 @@ module or function grows past what one reads in a sitting (docs/architecture.md 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,6 +80,14 @@ def test_no_import_cycle():
     for m in graph:
         back = [n for n in graph[m] if m in _reachable(graph, {n})]
         assert not back, f"{m} imports {back}, which import {m} back"
+
+
+def test_import_lgvit_leaves_the_compiler_and_timm_unimported():
+    # torch._dynamo costs about 1.0 s to import (it was pulled in by a decorator once); timm
+    # about a second too. `import lgvit` and `lgvit --help` pay for neither.
+    code = "import sys, lgvit\nprint(*sorted({'torch._dynamo', 'timm'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
 
 
 TRAINING = {"lgvit.engine", "lgvit.optim", "lgvit.tasks.run"} | {

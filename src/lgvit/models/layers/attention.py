@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from lgvit.models.layers.helpers import Grid, to_2tuple, tokens_to_map
 from lgvit.models.layers.pos_embed import grid_differs, grid_of_rel_table, resize_rel_pos_table
 from lgvit.models.layers.weight_init import trunc_normal_
+from lgvit.runtime import cpu_bf16_support
 
 LN_EPS = 1e-6  # DeiT / the LSA authors' LayerNorm epsilon
 
@@ -80,11 +81,14 @@ def multihead_sdpa(
     return x.view(B, kvh, g, N, d).permute(0, 3, 1, 2, 4).reshape(B, N, num_heads * d)
 
 
-@torch.compiler.assume_constant_result  # torch.compile calls it, not traces it (it reads a file)
-def _amx() -> bool:  # cpu_bf16_support is cached: one read of /proc/cpuinfo per process
-    from lgvit.runtime import cpu_bf16_support
+# Read once at import (/proc/cpuinfo): torch.compile then reads a constant instead of tracing a
+# file read. (torch.compiler.assume_constant_result would do it too, but applying it imports
+# torch._dynamo: +1.0 s on every `import lgvit`.)
+_AMX = cpu_bf16_support() == "amx_bf16"
 
-    return cpu_bf16_support() == "amx_bf16"
+
+def _amx() -> bool:
+    return _AMX
 
 
 def per_sample_mask(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
