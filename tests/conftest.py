@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one worker per core (pytest -n auto): each gets one thread, and so do the
+    # commands it starts (two 2-thread torch processes on 2 cores slow each other several-fold).
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture
