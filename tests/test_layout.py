@@ -82,12 +82,12 @@ def test_no_import_cycle():
         assert not back, f"{m} imports {back}, which import {m} back"
 
 
-def test_import_lgvit_leaves_the_compiler_and_timm_unimported():
-    # torch._dynamo costs about 1.0 s to import (it was pulled in by a decorator once); timm
-    # about a second too. `import lgvit` and `lgvit --help` pay for neither.
-    code = "import sys, lgvit\nprint(*sorted({'torch._dynamo', 'timm'} & set(sys.modules)))"
+def test_import_lgvit_leaves_the_compiler_unimported():
+    # torch._dynamo costs about 1.0 s to import (a decorator pulled it in once): `import lgvit`
+    # and `lgvit --help` do not pay for it. (timm: test_timm_native checks the same.)
+    code = "import sys, lgvit\nprint('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+    assert out.stdout.strip() == "False"
 
 
 TRAINING = {"lgvit.engine", "lgvit.optim", "lgvit.tasks.run"} | {
