@@ -61,7 +61,13 @@ from lgvit.record import (  # the type tests: re-exported for models/hub.py and 
     is_rgb,
     is_size,
 )
-from lgvit.safe_pickle import Inert, refused_pickle_error, torch_load_data_only
+from lgvit.safe_pickle import (
+    Inert,
+    LeftOutWarning,
+    PickledCodeWarning,
+    refused_pickle_error,
+    torch_load_data_only,
+)
 
 __all__ = [
     "PAIR_ID_KEY",
@@ -518,22 +524,19 @@ def load_weights(path: str | Path) -> dict[str, Tensor]:
     return clean_state_dict(tensors)
 
 
-def _left_out(path: Path, obj: Any, calls: list[str]) -> str:
+def _left_out(path: Path, obj: Any, calls: list[str]) -> UserWarning:
     """The warning of a ``.pth`` whose weights were read beside objects that are not plain
     data: code the pickle would have run on loading (a REDUCE of a function it names) is
-    said to be code, not merely an object left out."""
+    said to be code, not merely an object left out, and is a warning of another kind."""
     if calls:
-        names = ", ".join(list(dict.fromkeys(calls))[:3])
-        return (
-            f"{path}: read its weights only; the file also holds code that would run when "
-            f"loaded ({names}), which lgvit did not run"
-        )
+        return PickledCodeWarning(path, calls)
     skipped = sorted(
         {str(k) for k, v in obj.items() if isinstance(v, Inert)} if isinstance(obj, Mapping)
         else set()
     )  # fmt: skip
-    return f"{path}: read its weights only; left out objects that are not plain data" + (
-        f" ({', '.join(skipped)})" if skipped else ""
+    return LeftOutWarning(
+        f"{path}: read its weights only; left out objects that are not plain data"
+        + (f" ({', '.join(skipped)})" if skipped else "")
     )
 
 

@@ -7,6 +7,9 @@ one to the caller, which raises or returns an inert stand-in. Callers and what t
   raises.
 * A training script's ``.pth`` (:mod:`lgvit.checkpoint`): torch's ``weights_only`` allowlist;
   anything else becomes an :class:`Inert` placeholder, so the file's tensors can still be read.
+  What was left out is a warning of one of two kinds: :class:`LeftOutWarning` (objects that are
+  only data of a class: a training script's ``argparse.Namespace``, expected) or
+  :class:`PickledCodeWarning` (calls the pickle would make on loading: code, never expected).
 
 :func:`pickle_globals` lists what a pickle would import without running it, for error messages.
 """
@@ -20,6 +23,7 @@ import io
 import pickle
 import pickletools
 import re
+import reprlib
 import types
 import warnings
 import zipfile
@@ -33,6 +37,8 @@ from lgvit.errors import LgvitError
 
 __all__ = [
     "Inert",
+    "LeftOutWarning",
+    "PickledCodeWarning",
     "RestrictedUnpickler",
     "pickle_globals",
     "refused_pickle_error",
@@ -101,7 +107,26 @@ def torch_allowed_globals() -> set[str]:
     return allowed
 
 
-# The names a pickle being read by torch_load_data_only calls (REDUCE): code that would run.
+class LeftOutWarning(UserWarning):
+    """Weights read from a pickle beside objects that are only data of classes lgvit does not
+    import (a training script's ``argparse.Namespace``), which were left out: harmless."""
+
+
+class PickledCodeWarning(UserWarning):
+    """Weights read from the pickle ``path`` that would call functions on loading
+    (``posix.system(...)``): code, which was not run. ``calls``: each call, as
+    ``name(arguments)``; ``shown``: the first three, for a message."""
+
+    def __init__(self, path: Path, calls: list[str]) -> None:
+        self.path, self.calls = path, calls
+        self.shown = ", ".join(list(dict.fromkeys(calls))[:3])
+        super().__init__(
+            f"{path}: read its weights only; the file also holds code that would run when "
+            f"loaded ({self.shown}), which lgvit did not run"
+        )
+
+
+# The calls a pickle being read by torch_load_data_only makes (REDUCE): code that would run.
 _CALLS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
     "lgvit_calls", default=None
 )
@@ -120,6 +145,11 @@ _REBUILDERS = {
 }  # fmt: skip
 
 
+# Arguments of a call shown in a message: enough to see what it would do, on one short line.
+_SHORT = reprlib.Repr()
+_SHORT.maxstring, _SHORT.maxother = 160, 40
+
+
 class Inert:
     """Stands in for a class or function a checkpoint names that is not plain data (a training
     script's config object, ``argparse.Namespace``, ...): built from the pickle's arguments
@@ -127,7 +157,7 @@ class Inert:
 
     Pickle rebuilds an object with ``cls.__new__`` (NEWOBJ), and calls a function with its
     arguments (REDUCE, which is how a pickle runs code: ``os.system("...")``); only a call
-    reaches ``__init__``, which records the name it stands for."""
+    reaches ``__init__``, which records the call: the name it stands for and its arguments."""
 
     lgvit_name = ""
 
@@ -135,7 +165,10 @@ class Inert:
         self.args = args
         calls = _CALLS.get()
         if calls is not None and self.lgvit_name not in _REBUILDERS:
-            calls.append(self.lgvit_name)
+            calls.append(f"{self.lgvit_name}({', '.join(_SHORT.repr(a) for a in args)})")
+
+    def __repr__(self) -> str:
+        return f"{self.lgvit_name}(...)"
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
@@ -185,8 +218,8 @@ def torch_load_data_only(path: Path, calls: list[str] | None = None) -> Any:
     """The file's plain data and tensors, any other object replaced by an inert placeholder
     (never imported, never called). For weights inside a training script's checkpoint.
 
-    ``calls``, when given, receives the functions the pickle would have called on loading
-    (``posix.system``, ``builtins.eval``, ...): code it holds, which was not run."""
+    ``calls``, when given, receives the calls the pickle would have made on loading
+    (``posix.system('...')``, ``builtins.eval('...')``): code it holds, which was not run."""
     token = _CALLS.set([] if calls is None else calls)
     try:
         with warnings.catch_warnings():

@@ -16,7 +16,9 @@ How a file becomes the cached file:
    is removed;
 3. the file is loaded strictly into its model through lgvit's loader (``torch.load`` with
    ``weights_only=True``; objects that are not plain data are never imported or run); a file
-   that does not fit is refused and removed;
+   that does not fit, or whose pickle would call a function on loading (code: the authors'
+   files hold only weights and data such as their training script's ``argparse.Namespace``),
+   is refused and removed;
 4. it is fsynced and renamed onto its name, and its sha256 is recorded in ``<name>.lgvit.json``.
    A later file under that name (replaced in the cache, or served anew after the cached one was
    deleted) must have the recorded hash, or it is refused in one line.
@@ -42,15 +44,13 @@ from typing import IO, Any
 from lgvit.atomic import atomic_write_json, commit, temp_path
 from lgvit.errors import LgvitError, first_line
 from lgvit.models.weights import Weights
+from lgvit.safe_pickle import LeftOutWarning, PickledCodeWarning
 
 ENV_DIR = "LGVIT_WEIGHTS_DIR"
 ENV_MIRROR = "LGVIT_WEIGHTS_MIRROR"
 RECORD_SUFFIX = ".lgvit.json"
 TIMEOUT_S = 60  # per socket operation, not for the whole file
 _CHUNK = 1 << 20
-# The loader's warning for a training script's .pth (its argparse Namespace left out): expected
-# of every authors' file, so not repeated at each load.
-_LEFT_OUT = r".*read its weights only.*"
 
 
 def weights_dir(override: str | os.PathLike | None = None) -> Path:
@@ -174,10 +174,17 @@ def _check_hash(w: Weights, dest: Path, sha: str, url: str) -> None:
 
 
 def _verify(verify: Callable[[Path], Any], path: Path, where: str, after: str) -> Any:
-    """``verify(path)``; a failure is one line naming ``where`` (the URL, not the temp file)."""
+    """``verify(path)``; a failure is one line naming ``where`` (the URL, not the temp file).
+    A file whose pickle would run code is refused: it is not the authors' file, whatever it
+    holds beside."""
     try:
         with quiet_left_out():
+            warnings.simplefilter("error", PickledCodeWarning)  # raised where it is found
             return verify(path)
+    except PickledCodeWarning as e:
+        raise LgvitError(f"{where}: refused: the file holds code that would run when loaded "
+                         f"({e.shown}), which lgvit did not run; released weights hold none "
+                         f"({after})") from None  # fmt: skip
     except LgvitError as e:
         raise LgvitError(f"{str(e).replace(str(path), where)} ({after})") from None
     except (RuntimeError, ValueError, KeyError, IndexError) as e:  # a layout the mapping rejects
@@ -187,10 +194,11 @@ def _verify(verify: Callable[[Path], Any], path: Path, where: str, after: str) -
 
 @contextlib.contextmanager
 def quiet_left_out() -> Iterator[None]:
-    """Loading an authors' file: without the warning that its non-data objects were left out
-    (every training script's .pth has them; the docs say so once)."""
+    """Loading an authors' file: without the warning that its objects that are only data (a
+    training script's argparse Namespace) were left out (the docs say so once). Code the file
+    would run is still a warning."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_LEFT_OUT)
+        warnings.simplefilter("ignore", LeftOutWarning)
         yield
 
 
