@@ -3,7 +3,8 @@
 Every write goes to ``.<name>.tmp-<pid>`` in the target's directory (``os.replace`` is only
 atomic within one filesystem), is flushed and fsynced, then replaces the target; the directory
 is fsynced too where the OS allows, so the rename itself survives a power cut. A failed write
-removes its temp file. (``rundir.remove_stale_temps`` relies on the ``.*.tmp-*`` name.)
+removes its temp file, and its error names the file being written, never the temp file.
+(``rundir.remove_stale_temps`` relies on the ``.*.tmp-*`` name.)
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "check_writable",
     "commit",
     "fsync_dir",
+    "naming",
     "safetensors_ready",
     "temp_path",
     "write_temp",
@@ -73,21 +75,41 @@ def _umask() -> int:
     return mask
 
 
-def check_writable(path: str | Path, what: str) -> Path:
-    """Before long work whose result goes to ``path`` (``what``: the flag): a directory there,
-    an ancestor that is a file, or a folder that cannot be written is one line now, not a
-    failure after the work naming a temp file. Missing folders are fine: writes create them."""
+def check_writable(path: str | Path, what: str, folder: bool = False) -> Path:
+    """Before long work whose result goes to ``path`` (``what``: the flag): a directory there
+    (a file, when ``folder``: the result is a folder written in place), an ancestor that is a
+    file, or a folder that cannot be written is one line now, not a failure after the work
+    naming a temp file. Missing folders are fine: writes create them."""
     p = Path(path)
-    if p.is_dir():
+    if p.is_dir() and not folder:
         raise LgvitError(f"{what} {p}: a directory; name the file to write")
-    parent = p.parent
+    if folder and p.exists() and not p.is_dir():
+        raise LgvitError(f"{what} {p}: a file; name a folder to write")
+    parent = p if folder and p.is_dir() else p.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
         raise LgvitError(f"{what} {p}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise LgvitError(f"{what} {p}: {parent} is not writable")
+        raise LgvitError(f"{what} {p}: cannot write in {parent} (permission denied)")
     return p
+
+
+@contextlib.contextmanager
+def naming(tmp: Path, path: Path) -> Iterator[None]:
+    """An OSError about the temp file ``tmp`` raised inside is raised again about ``path``, the
+    file being written (same kind and errno): the user never named the temp file."""
+    try:
+        yield
+    except OSError as e:
+        names = {os.fspath(f) for f in (e.filename, e.filename2) if isinstance(f, str | Path)}
+        if os.fspath(tmp) not in names:
+            raise
+        try:
+            again = type(e)(e.errno, e.strerror, os.fspath(path))
+        except Exception:  # noqa: BLE001 -- an OSError subclass built otherwise: keep it
+            raise e from None
+        raise again from e
 
 
 def write_temp(path: Path, write: Callable[[Path], None]) -> Path:
@@ -99,9 +121,10 @@ def write_temp(path: Path, write: Callable[[Path], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
     try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # as open() would make it (some writers use 0600)
-        _fsync_file(tmp)
+        with naming(tmp, path):
+            write(tmp)
+            os.chmod(tmp, 0o666 & ~_umask())  # as open() would make it (some writers use 0600)
+            _fsync_file(tmp)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -113,7 +136,8 @@ def commit(tmp: Path, path: Path) -> None:
     """Rename the complete ``tmp`` onto ``path`` and fsync the directory; on failure remove
     ``tmp``."""
     try:
-        os.replace(tmp, path)
+        with naming(tmp, path):
+            os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()

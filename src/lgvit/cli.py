@@ -331,7 +331,9 @@ def _add_export(sub: Any) -> None:
     )
     p.add_argument("--format", required=True, choices=["onnx", "pt2", "hf"])
     p.add_argument("--model", help="the architecture of a .pth state dict (e.g. lit_ti)")
-    p.add_argument("--out", help="file (onnx, pt2) or folder (hf); default: the model name")
+    p.add_argument(
+        "--out", help="file (NAME.onnx, NAME.pt2) or folder (hf); default: the model name"
+    )
     p.add_argument("--img-size", type=int, help="default: the checkpoint's or the model's")
     p.add_argument("--dynamic-batch", action="store_true", help="any batch size")
     p.add_argument(

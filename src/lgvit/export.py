@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from lgvit.atomic import check_writable, naming
 from lgvit.errors import LgvitError, error_lines
 
 FORMATS = ("onnx", "pt2", "hf")
@@ -194,8 +195,8 @@ def write(
         run = _runner(model, fmt, out, opset)
     except BaseException as e:
         out.unlink(missing_ok=True)  # a partial or invalid file is no export
-        if isinstance(e, LgvitError) or not isinstance(e, Exception):
-            raise
+        if isinstance(e, LgvitError | OSError) or not isinstance(e, Exception):
+            raise  # an OSError is the file's (a full disk), not the model's
         what = "with a dynamic height/width" if dynamic_size else f"to {fmt}"
         raise LgvitError(f"{name} cannot be exported {what}: {_useful_line(e)}") from None
     if dynamic_size:  # the exporters may keep the size symbolic yet fix the token grid
@@ -317,11 +318,13 @@ def export(
     if fmt == "onnx":
         _need("onnx", "onnxscript", "onnxruntime")
     _check_opset(opset, fmt)
+    if out:
+        check_out(Path(out), fmt)
     model, trained = load_source(source, img_size, model_name)
     name = model.model_name
     if not trained:
         warnings.warn(f"{name} has random weights (pass a checkpoint to export one)", stacklevel=2)
-    path = Path(out or f"{name}{_SUFFIX[fmt]}")
+    path = Path(out) if out else check_out(Path(f"{name}{_SUFFIX[fmt]}"), fmt)
     checks = (dynamic_batch, dynamic_size, run_check, images)
     if fmt == "hf":  # a folder, written in place
         run = write(model, fmt, path, dynamic_batch, dynamic_size, opset)
@@ -329,9 +332,10 @@ def export(
     else:  # a file: renamed into place once it passed every check (a failed one leaves none)
         tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
         try:
-            run = write(model, fmt, tmp, dynamic_batch, dynamic_size, opset)
-            report = _checked(model, run, path, fmt, *checks)
-            os.replace(tmp, path)
+            with naming(tmp, path):
+                run = write(model, fmt, tmp, dynamic_batch, dynamic_size, opset)
+                report = _checked(model, run, path, fmt, *checks)
+                os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
     log(f"wrote {path}")
@@ -342,6 +346,20 @@ def export(
             f"{fmt} {r['exported_ms']:.1f} ms"
         )
     return report
+
+
+def check_out(path: Path, fmt: str) -> Path:
+    """Before any work: ``path`` is where ``fmt`` can be written (a file under the format's
+    suffix, which ``file_metadata`` reads the format from; a folder for ``hf``)."""
+    suffix = _SUFFIX[fmt]
+    check_writable(path, "--out", folder=not suffix)
+    if suffix and path.suffix != suffix:
+        raise LgvitError(f"--out {path}: --format {fmt} writes a {suffix} file; name it "
+                         f"{path.with_suffix(suffix).name}")  # fmt: skip
+    if not suffix and path.suffix and path.suffix in _SUFFIX.values():
+        raise LgvitError(f"--out {path}: --format {fmt} writes a folder, not a {path.suffix} "
+                         f"file; use --format {path.suffix[1:]} for that")  # fmt: skip
+    return path
 
 
 def _checked(
