@@ -234,28 +234,31 @@ def output_stems(paths: Sequence[str]) -> list[str]:
     return [n for n in names if n is not None]
 
 
-def read_images(paths: Sequence[str], failed: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(path, uint8 (3, H, W))`` of each readable image; each unreadable one's line is
-    appended to ``failed`` (for :func:`report_predictions`)."""
+def read_images(
+    paths: Sequence[str], failed: list[str], upright: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(path, uint8 (3, H, W))`` of each readable image (``upright=False``: as stored, its EXIF
+    orientation ignored); each unreadable one's line is appended to ``failed`` (for
+    :func:`report_predictions`)."""
     from lgvit.data.decode import read_image_rgb
 
     for path in paths:
         try:
-            yield path, read_image_rgb(path)
+            yield path, read_image_rgb(path, upright)
         except LgvitError as e:
             failed.append(str(e))
 
 
 def images_with_outputs(
-    images: Sequence[str], out: str, failed: list[str]
+    images: Sequence[str], out: str, failed: list[str], upright: bool = True
 ) -> Iterator[tuple[str, Path, torch.Tensor]]:
     """``(path, out / NAME, uint8 (3, H, W))`` of each readable image of ``images`` (from
     :func:`expand_images`), ``--out`` created and NAME distinct per input
     (:func:`output_stems`: a.png, a.jpg and b/a.png must not write the same files); each
-    unreadable image's line is appended to ``failed``."""
+    unreadable image's line is appended to ``failed``; ``upright`` as :func:`read_images`."""
     folder = output_dir(out)
     for path, stem in zip(images, output_stems(images), strict=True):
-        for _, img in read_images([path], failed):
+        for _, img in read_images([path], failed, upright):
             yield path, folder / stem, img
 
 

@@ -25,11 +25,14 @@ from tqdm import tqdm
 from lgvit.errors import LgvitError, Preempted
 
 __all__ = [
+    "EXIF_ORIENTATION",
     "MAX_ASPECT",
     "STATUS_BAD",
     "STATUS_MISMATCH",
     "STATUS_OK",
+    "TURNED_ORIENTATIONS",
     "decode_to_npy",
+    "exif_orientation",
     "load_rgb",
     "no_space_error",
     "npy_writer",
@@ -50,8 +53,9 @@ _CHUNK_BYTES = 4_000_000
 # 1,280,000 x 256 intermediate (5 GB); at most 100:1 it stays under 100 * 256^2 pixels. No photo
 # a classifier is trained on is thinner.
 MAX_ASPECT = 100
-_ORIENTATION = 0x0112  # the EXIF tag
-_TURNED = {5, 6, 7, 8}  # EXIF orientations stored turned by 90 degrees: width and height swap
+EXIF_ORIENTATION = 0x0112  # the EXIF tag
+# EXIF orientations stored turned by 90 degrees: width and height swap.
+TURNED_ORIENTATIONS = frozenset({5, 6, 7, 8})
 
 
 class _Refused(Exception):
@@ -108,7 +112,7 @@ def _open(path: str) -> Image.Image:
 def _orientation(img: Image.Image) -> int:
     """The EXIF orientation (1 = stored upright)."""
     try:
-        value = img.getexif().get(_ORIENTATION, 1)
+        value = img.getexif().get(EXIF_ORIENTATION, 1)
         return value if isinstance(value, int) and 1 <= value <= 8 else 1
     except Exception:  # a damaged EXIF block: use the pixels as stored
         return 1
@@ -119,14 +123,17 @@ def _upright_size(img: Image.Image, orientation: int) -> tuple[int, int]:
     w, h = img.size
     if max(w, h) > MAX_ASPECT * min(w, h):
         raise _Refused(f"too thin to use ({w}x{h} pixels: one side over {MAX_ASPECT}x the other)")
-    return (h, w) if orientation in _TURNED else (w, h)
+    return (h, w) if orientation in TURNED_ORIENTATIONS else (w, h)
 
 
-def _load(path: str, expect: tuple[int, int] | None, draft: int | None) -> Image.Image | None:
-    """One file as an upright RGB image; None when ``expect`` (W, H) is given and the image has
-    another size. Raises :class:`_Refused` or whatever PIL raises for a damaged file."""
+def _load(
+    path: str, expect: tuple[int, int] | None, draft: int | None, upright: bool = True
+) -> Image.Image | None:
+    """One file as an upright RGB image (``upright=False``: as stored, its EXIF orientation
+    ignored); None when ``expect`` (W, H) is given and the image has another size. Raises
+    :class:`_Refused` or whatever PIL raises for a damaged file."""
     with _open(path) as img:
-        orientation = _orientation(img)
+        orientation = _orientation(img) if upright else 1
         size = _upright_size(img, orientation)  # refuses one too thin to resize
         if expect is not None and size != expect:
             return None
@@ -138,10 +145,11 @@ def _load(path: str, expect: tuple[int, int] | None, draft: int | None) -> Image
         return to_rgb(img)
 
 
-def load_rgb(path: str) -> Image.Image:
-    """One image file as an upright RGB PIL image (EXIF orientation applied). Raises on a file
-    that is unreadable, too large or too thin (the streaming loader counts those as bad)."""
-    img = _load(path, None, None)
+def load_rgb(path: str, upright: bool = True) -> Image.Image:
+    """One image file as an upright RGB PIL image (EXIF orientation applied; ``upright=False``:
+    as stored). Raises on a file that is unreadable, too large or too thin (the streaming
+    loader counts those as bad)."""
+    img = _load(path, None, None, upright)
     assert img is not None  # only a size expectation returns None
     return img
 
@@ -163,13 +171,14 @@ def _decode_image(
         return STATUS_BAD, None
 
 
-def read_image_rgb(path: str | os.PathLike) -> torch.Tensor:
-    """One image file as uint8 ``(3, H, W)`` RGB (any mode PIL reads, EXIF orientation applied);
+def read_image_rgb(path: str | os.PathLike, upright: bool = True) -> torch.Tensor:
+    """One image file as uint8 ``(3, H, W)`` RGB (any mode PIL reads, EXIF orientation applied;
+    ``upright=False``: the pixels as stored, as segmentation reads an image beside its mask);
     LgvitError if unreadable, too large or too thin."""
     if not Path(path).is_file():
         raise LgvitError(f"{path}: no such image file")
     try:
-        arr = np.asarray(load_rgb(str(path)), dtype=np.uint8)
+        arr = np.asarray(load_rgb(str(path), upright), dtype=np.uint8)
     except _Refused as e:
         raise LgvitError(f"{path}: {e}") from None
     except Exception:  # PIL raises many types for corrupt files
@@ -177,6 +186,15 @@ def read_image_rgb(path: str | os.PathLike) -> torch.Tensor:
             f"{path}: not a readable image (empty, truncated or not an image)"
         ) from None
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+
+
+def exif_orientation(path: str | os.PathLike) -> int:
+    """The EXIF orientation of an image file (1: stored upright, or no tag, or unreadable)."""
+    try:
+        with _open(str(path)) as img:
+            return _orientation(img)
+    except Exception:  # unreadable or refused: reading its pixels says why
+        return 1
 
 
 def _decode_chunk(

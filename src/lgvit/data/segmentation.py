@@ -7,7 +7,11 @@ through)::
     ade20k:     images/{training,validation}/NAME.jpg   annotations/{training,validation}/NAME.png
     segfolder:  the same (or train/val for the split names), plus classes.txt (one name per line)
 
-A mask is a single-channel PNG of the image's size. ADE20K's label 0 ("other") is ignored and
+A mask is a single-channel PNG of the image's size, its label per pixel of the image file's
+pixels as stored: image and mask are both read as stored, an EXIF orientation tag on either
+ignored (torchvision's references read both so; ADE20K's files carry none), so a pair is
+aligned whatever tags its files carry, and ``lgvit predict`` writes its mask in that frame.
+ADE20K's label 0 ("other") is ignored and
 1..150 become 0..149 (mmseg's ``reduce_zero_label``); a ``segfolder`` mask holds 0..n-1 and 255
 for pixels to ignore. A mask of another size, or with a label outside the classes (a negative
 one too), is one line naming the file. ``classes.txt`` is UTF-8 (a byte-order mark is dropped).
@@ -33,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from lgvit.data.decode import read_image_rgb
+from lgvit.data.decode import TURNED_ORIENTATIONS, exif_orientation, read_image_rgb
 from lgvit.errors import LgvitError
 
 SEG_DATASETS = ("ade20k", "segfolder")
@@ -163,10 +167,12 @@ def load_seg_split(
 
 
 def read_mask(
-    path: str, size: tuple[int, int], num_classes: int, reduce_zero: bool
-) -> torch.Tensor:
-    """A mask PNG as ``(H, W)`` int64 labels (0..n-1, 255 ignored); ``size`` is the image's
-    ``(H, W)``. Wrong size, several channels or labels beyond the classes: one line."""
+    path: str, size: tuple[int, int], num_classes: int, reduce_zero: bool,
+    image: str | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """A mask PNG as ``(H, W)`` int64 labels (0..n-1, 255 ignored), as stored (its EXIF tag
+    ignored); ``size`` is the stored ``(H, W)`` of its image (the file ``image``). Wrong size,
+    several channels or labels beyond the classes: one line."""
     try:
         with Image.open(path) as m:
             if m.mode not in ("L", "P", "I", "I;16"):
@@ -179,6 +185,7 @@ def read_mask(
     if arr.shape != tuple(size):
         raise LgvitError(
             f"{path}: mask is {arr.shape[0]}x{arr.shape[1]} but its image is {size[0]}x{size[1]}"
+            + _turned_hint(arr.shape, size, image)
         )
     if reduce_zero:  # ADE20K: 0 is "other" (ignored), 1..150 -> 0..149
         arr = np.where(arr == 0, IGNORE + 1, arr) - 1
@@ -192,11 +199,27 @@ def read_mask(
     return torch.from_numpy(arr)
 
 
+def _turned_hint(mask_hw: Sequence[int], image_hw: Sequence[int], image: str | None) -> str:
+    """Why a mask of the size of its image turned by 90 degrees is refused: it was drawn on the
+    photo as a viewer shows it (turned by its EXIF tag), and segmentation reads it as stored."""
+    if image is None or tuple(mask_hw) != tuple(image_hw)[::-1]:
+        return ""
+    orientation = exif_orientation(image)
+    if orientation not in TURNED_ORIENTATIONS:
+        return ""
+    return (
+        f" as stored ({mask_hw[0]}x{mask_hw[1]} once turned by its EXIF orientation "
+        f"{orientation}, which segmentation ignores in image and mask alike): save the mask in "
+        f"the image's stored orientation, or {image} turned upright without the tag"
+    )
+
+
 def read_pair(split: SegSplit, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Image ``(3, H, W)`` uint8 and mask ``(H, W)`` int64 of sample ``i``."""
-    img = read_image_rgb(split.images[i])
+    """Image ``(3, H, W)`` uint8 and mask ``(H, W)`` int64 of sample ``i``, both as stored (an
+    EXIF orientation tag on either ignored), so the pair is aligned pixel for pixel."""
+    img = read_image_rgb(split.images[i], upright=False)
     mask = read_mask(split.masks[i], tuple(img.shape[-2:]), len(split.classes),
-                     split.reduce_zero_label)  # fmt: skip
+                     split.reduce_zero_label, split.images[i])  # fmt: skip
     return img, mask
 
 

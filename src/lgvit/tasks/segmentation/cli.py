@@ -86,7 +86,12 @@ def run_predict(args: argparse.Namespace) -> int:
     """Per image: ``NAME_mask.png`` (class indices, 8-bit) and ``NAME_overlay.png`` (the
     image with the classes' colours at 50%), in ``--out``, NAME distinct per input
     (:func:`~lgvit.inference.output_stems`); a JSON line per image with the files written,
-    the classes found and their share of the pixels."""
+    the classes found and their share of the pixels.
+
+    The image is read as stored, as evaluation reads an image beside its mask: the mask has the
+    file's pixel grid (a mask for it as a data set holds one) and the overlay is drawn on those
+    pixels; both carry the image's EXIF orientation tag, so a viewer turns them as the photo."""
+    from lgvit.data.decode import exif_orientation
     from lgvit.data.segmentation import eval_sample
     from lgvit.inference import expand_images, images_with_outputs, report_predictions
     from lgvit.tasks.segmentation.evaluate import load_segmenter, palette, predict_logits
@@ -99,14 +104,15 @@ def run_predict(args: argparse.Namespace) -> int:
     colours = palette(len(info["classes"]))
     results: list[dict] = []
     failed: list[str] = []
-    for path, base, img in images_with_outputs(images, args.out, failed):
+    for path, base, img in images_with_outputs(images, args.out, failed, upright=False):
+        orientation = exif_orientation(path)
         x = eval_sample(img, info["scale"])[None]
         logits = predict_logits(model, x, tuple(img.shape[-2:]), info["mean"], info["std"])
         pred = logits.argmax(1)[0].to(torch.uint8).cpu().numpy()
         mask, over = Path(f"{base}_mask.png"), Path(f"{base}_overlay.png")
-        save_png(Image.fromarray(pred), mask)
+        save_png(Image.fromarray(pred), mask, orientation)
         overlay = 0.5 * img.permute(1, 2, 0).numpy() + 0.5 * colours[pred]
-        save_png(Image.fromarray(overlay.astype(np.uint8)), over)
+        save_png(Image.fromarray(overlay.astype(np.uint8)), over, orientation)
         counts = np.bincount(pred.ravel(), minlength=len(colours))
         share = {info["classes"][c]: round(float(counts[c] / pred.size), 4)
                  for c in np.argsort(-counts) if counts[c]}  # fmt: skip
@@ -120,11 +126,18 @@ def run_predict(args: argparse.Namespace) -> int:
     return report_predictions(results, failed, args.json, line)
 
 
-def save_png(img: Image.Image, path: Path) -> None:
+def save_png(img: Image.Image, path: Path, orientation: int = 1) -> None:
+    """``img`` as a PNG at ``path``, atomically; an EXIF ``orientation`` tag other than 1 kept."""
     import io
 
     from lgvit.atomic import atomic_write_bytes
+    from lgvit.data.decode import EXIF_ORIENTATION
 
     buf = io.BytesIO()
-    img.save(buf, format="PNG")
+    if orientation != 1:
+        exif = Image.Exif()
+        exif[EXIF_ORIENTATION] = orientation
+        img.save(buf, format="PNG", exif=exif)
+    else:
+        img.save(buf, format="PNG")
     atomic_write_bytes(path, buf.getvalue())
