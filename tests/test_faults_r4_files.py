@@ -168,3 +168,23 @@ def test_export_failing_to_write_its_file_names_the_file(tmp_path, capsys, monke
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == f"lgvit export: error: {out}: No space left on device"
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------- a weights cache that is a file
+
+
+def test_a_weights_dir_naming_a_file_says_so(tmp_path, capsys, monkeypatch):
+    afile = tmp_path / "weights"
+    afile.write_text("not a folder")
+    monkeypatch.setenv(ENV_MIRROR, "http://127.0.0.1:9")  # nothing is fetched: refused first
+    sub = afile / "sub"
+    for where, says in ((afile, f"{afile}: a file, not a folder"),
+                        (sub, f"{sub}: {afile} is a file, not a folder")):  # fmt: skip
+        monkeypatch.setenv(ENV_DIR, str(where))
+        with pytest.raises(LgvitError) as e:
+            lgvit.create_model(SMALL.name, pretrained=True)
+        assert str(e.value).startswith(f"{ENV_DIR}={where}: ") and says in str(e.value)
+        assert main(["weights", "download", SMALL.name]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{ENV_DIR}={where}: " in err[0] and says in err[0], err
+    assert afile.read_text() == "not a folder"

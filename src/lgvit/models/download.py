@@ -118,6 +118,7 @@ def fetch(
     cache without a record (copied there by hand). Every failure is one LgvitError line.
     """
     folder = weights_dir(cache_dir)
+    _check_folder(folder, cache_dir)
     dest = folder / w.filename
     with _locked(dest):
         if dest.is_file():
@@ -135,6 +136,21 @@ def fetch(
                 tmp.unlink()  # gone already after a commit
         _write_record(dest, url, sha)
         return Fetched(dest, built, downloaded=True)
+
+
+def _check_folder(folder: Path, cache_dir: str | os.PathLike | None) -> None:
+    """The cache folder (or the nearest path above it that exists) must be a folder: one line
+    naming where it was set (``$LGVIT_WEIGHTS_DIR``, when it was) and the file in the way."""
+    there = folder
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    if there.is_dir():
+        return
+    where = (f"{ENV_DIR}={folder}" if not cache_dir and os.environ.get(ENV_DIR)
+             else f"the weights cache {folder}")  # fmt: skip
+    what = "a file" if there == folder else f"{there} is a file"
+    raise LgvitError(f"{where}: {what}, not a folder; set {ENV_DIR} to a folder for the "
+                     "released weights, or pass checkpoint_path=FILE")  # fmt: skip
 
 
 def _check_cached(w: Weights, dest: Path, verify: Callable[[Path], Any]) -> Any:
