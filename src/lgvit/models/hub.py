@@ -1,6 +1,6 @@
 """Weights in the Hugging Face hub layout that timm uses: a folder with ``config.json``
-(``architecture``, ``num_classes``, ``num_features``, ``model_args``, ``pretrained_cfg``) and
-``model.safetensors``.
+(``architecture``, ``num_classes``, ``num_features``, ``model_args``, ``label_names`` and
+``dataset`` at the top level, timm's ``pretrained_cfg``) and ``model.safetensors``.
 
 - ``save_pretrained(model, DIR)`` (also ``model.save_pretrained(DIR)``) writes it;
 - ``create_model("local-dir:DIR")`` builds the architecture named in it and loads the weights;
@@ -29,13 +29,19 @@ from lgvit.errors import LgvitError, first_line
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-# pretrained_cfg keys written to config.json (timm's); the rest of ours stays in the package.
+# pretrained_cfg keys written to config.json: timm's only (timm builds its PretrainedCfg from
+# them, a TypeError on a key it lacks); the rest of ours stays in the package.
 # Where released weights came from (timm's keys), kept so a folder's model card can say it.
 _SOURCE_KEYS = ("tag", "license", "origin_url", "paper_ids", "paper_name")
 _CFG_KEYS = (
     "input_size", "mean", "std", "crop_pct", "interpolation", "num_classes", "first_conv",
-    "classifier", "fixed_input_size", "label_names", "dataset", *_SOURCE_KEYS,
+    "classifier", "fixed_input_size", *_SOURCE_KEYS,
 )  # fmt: skip
+# Written at config.json's top level: the class names where timm writes and reads them, and
+# lgvit's own keys, which timm does not read there. Folders lgvit wrote before held both inside
+# pretrained_cfg too (read, never written).
+_NAMES_KEY = "label_names"
+_TOP_KEYS = ("dataset",)
 CARD_NAME = "README.md"
 
 
@@ -60,16 +66,20 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
             f"{CONFIG_NAME}; build the model from plain values to save it"
         )
     cfg = {k: v for k, v in model.pretrained_cfg.items() if k in _CFG_KEYS}
+    num_classes = getattr(model, "num_classes", cfg.get("num_classes"))
+    cfg["num_classes"] = num_classes  # the head's, after a reset_classifier too (timm's)
     config = {
         "architecture": name,
-        "num_classes": getattr(model, "num_classes", cfg.get("num_classes")),
+        "num_classes": num_classes,
         "num_features": getattr(model, "num_features", None),
         "global_pool": getattr(model, "global_pool", None) or "avg",
         "model_args": args,
-        "pretrained_cfg": cfg,
     }
-    if cfg.get("label_names"):
-        config["label_names"] = cfg["label_names"]
+    names = model.pretrained_cfg.get(_NAMES_KEY)
+    if names and len(names) == num_classes:  # names of another head describe none (timm's rule)
+        config[_NAMES_KEY] = list(names)
+    config.update({k: model.pretrained_cfg[k] for k in _TOP_KEYS if model.pretrained_cfg.get(k)})
+    config["pretrained_cfg"] = cfg
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
@@ -101,6 +111,7 @@ _TYPES: dict[str, tuple[str, Any]] = {
     "num_classes": ("a positive integer", lambda v: v is None or is_size(v)),
     "pretrained_cfg": ("an object", lambda v: isinstance(v, dict)),
     "label_names": _NAMES,
+    "dataset": ("a string", lambda v: isinstance(v, str)),
     "model_args.img_size": (
         "a positive integer or a [height, width] pair",
         is_img_size,
@@ -136,15 +147,44 @@ def weights_file(directory: str | os.PathLike) -> Path:
     return weights
 
 
+def _lgvit_key(config: dict[str, Any], key: str, path: Path) -> Any:
+    """A key lgvit writes at the top level (older lgvit folders: in ``pretrained_cfg`` too, or
+    only there); where both hold it they must agree."""
+    top, inner = config.get(key), config.get("pretrained_cfg", {}).get(key)
+    if top is not None and inner is not None and top != inner:
+        raise LgvitError(
+            f"{path}: {key} {_preview(top)} and pretrained_cfg.{key} {_preview(inner)} differ; "
+            f"keep one ({key}: where lgvit and timm read it)"
+        )
+    return inner if top is None else top
+
+
+def _preview(value: Any, n: int = 3) -> str:
+    if not isinstance(value, list):
+        return repr(value)[:60]
+    return "[" + ", ".join(map(str, value[:n])) + (", ...]" if len(value) > n else "]")
+
+
 def apply_saved_cfg(model: nn.Module, config: dict[str, Any], source: str) -> None:
-    """Put the preprocessing and class names the folder carries into ``model.pretrained_cfg``."""
+    """Put the preprocessing and class names the folder carries into ``model.pretrained_cfg``;
+    the class names must name every output of the head the weights built."""
+    path = Path(source) / CONFIG_NAME
     cfg = config.get("pretrained_cfg", {})
+    names = _lgvit_key(config, _NAMES_KEY, path)
+    n = getattr(model, "num_classes", None)
+    if names is not None and n is not None and len(names) != n:
+        raise LgvitError(
+            f"{path}: {_NAMES_KEY} names {len(names)} classes but the model's head has {n}"
+        )
     for key in ("mean", "std", "input_size"):
         if key in cfg:
             model.pretrained_cfg[key] = tuple(cfg[key])
-    for key in ("crop_pct", "interpolation", "label_names", "dataset", *_SOURCE_KEYS):
+    for key in ("crop_pct", "interpolation", *_SOURCE_KEYS):
         if key in cfg:
             model.pretrained_cfg[key] = cfg[key]
+    for key, value in ((_NAMES_KEY, names), *((k, _lgvit_key(config, k, path)) for k in _TOP_KEYS)):
+        if value is not None:
+            model.pretrained_cfg[key] = value
     model.pretrained_cfg["source"] = source
 
 

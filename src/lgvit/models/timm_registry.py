@@ -123,6 +123,7 @@ def _entrypoint(name: str) -> Callable[..., nn.Module]:
             )  # fmt: skip
             if num_classes is not None and num_classes != model.num_classes:
                 model.reset_classifier(num_classes)
+                model.pretrained_cfg.pop("label_names", None)  # the old head's outputs
         else:
             if num_classes is None:
                 num_classes = given.get("num_classes")  # a saved folder's class count
@@ -132,8 +133,13 @@ def _entrypoint(name: str) -> Callable[..., nn.Module]:
                 raise ValueError(f"global_pool {global_pool!r} is not one of {POOLS}")
             model.global_pool = global_pool
         for key in ("mean", "std", "label_names", "crop_pct", "interpolation"):
-            if given.get(key) is not None:  # what timm read from a saved folder
+            # What timm read from a saved folder, for the architecture alone; with its weights
+            # lgvit's reader has set (and checked) them.
+            if given.get(key) is not None and not (pretrained and folder):
                 model.pretrained_cfg[key] = given[key]
+        names = model.pretrained_cfg.get("label_names")
+        if names is not None and len(names) != model.num_classes:
+            del model.pretrained_cfg["label_names"]  # names of another head name none of ours
         return FeatureMaps(model, out_indices) if features_only else model
 
     build.__name__ = build.__qualname__ = name

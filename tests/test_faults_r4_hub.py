@@ -1,0 +1,110 @@
+"""Faults and bad input, round four: ``save_pretrained`` folders. Class names in one place (where
+timm reads them), checked against the head; the folder on the command line in each of its
+forms; a contradictory ``config.json`` refused as a checkpoint's record is; folders timm reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import quick_init
+
+import lgvit
+from lgvit.errors import LgvitError
+
+
+@pytest.fixture(autouse=True)
+def _quick_init():
+    with quick_init():  # every model here is loaded from a folder: its draw is moot
+        yield
+
+
+def _folder(tmp_path: Path, names: list[str] | None = None, n: int = 3) -> Path:
+    """A ``save_pretrained`` folder of a tiny ``n``-class model (16 px), with class names."""
+    m = lgvit.create_model("lsa_micro_cifar", num_classes=n, img_size=16)
+    if names is not None:
+        m.pretrained_cfg["label_names"] = names
+    m.pretrained_cfg["dataset"] = "digits"
+    return m.save_pretrained(tmp_path / "hf")
+
+
+def _edit(folder: Path, **keys) -> None:
+    """Set top-level keys, and ``pretrained_cfg`` ones given as ``cfg={...}``; None: removed."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for holder, values in ((config["pretrained_cfg"], keys.pop("cfg", {})), (config, keys)):
+        holder.update(values)
+        for k in [k for k, v in values.items() if v is None]:
+            del holder[k]
+    path.write_text(json.dumps(config))
+
+
+def _one_line(e: pytest.ExceptionInfo, *needles: str) -> None:
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    for needle in needles:
+        assert needle in msg, msg
+
+
+# --------------------------------------------------------------------- 3: class names, once
+
+
+def test_names_are_written_once_at_the_top_where_timm_reads_them(tmp_path):
+    timm = pytest.importorskip("timm")
+    folder = _folder(tmp_path, ["cat", "dog", "fox"])
+    config = json.loads((folder / "config.json").read_text())
+    assert config["label_names"] == ["cat", "dog", "fox"]
+    assert "label_names" not in config["pretrained_cfg"]  # one source of names
+    assert lgvit.create_model(f"local-dir:{folder}").pretrained_cfg["label_names"] == [
+        "cat", "dog", "fox",
+    ]  # fmt: skip
+    via_timm = timm.create_model(f"local-dir:{folder}", pretrained=True)
+    assert list(via_timm.pretrained_cfg["label_names"]) == ["cat", "dog", "fox"]
+    # A new head through timm: the folder's names named the old one's outputs.
+    other = timm.create_model(f"local-dir:{folder}", pretrained=True, num_classes=5)
+    assert other.num_classes == 5 and "label_names" not in other.pretrained_cfg
+
+
+def test_names_in_both_places_must_agree(tmp_path):
+    folder = _folder(tmp_path, ["cat", "dog", "fox"])
+    _edit(folder, label_names=["x", "y", "z"], cfg={"label_names": ["cat", "dog", "fox"]})
+    with pytest.raises(LgvitError) as e:
+        lgvit.create_model(f"local-dir:{folder}")
+    _one_line(e, str(folder / "config.json"), "label_names [x, y, z]",
+              "pretrained_cfg.label_names [cat, dog, fox] differ")  # fmt: skip
+
+
+@pytest.mark.parametrize("names", [["a", "b"], ["a", "b", "c", "d", "e"]])
+def test_names_must_name_every_output_of_the_head(tmp_path, names):
+    folder = _folder(tmp_path, ["cat", "dog", "fox"])
+    _edit(folder, label_names=names)
+    with pytest.raises(LgvitError) as e:
+        lgvit.create_model(f"local-dir:{folder}")
+    _one_line(e, str(folder / "config.json"), f"names {len(names)} classes", "head has 3")
+    _edit(folder, label_names=None, cfg={"label_names": names})  # timm's other place: the same
+    with pytest.raises(LgvitError, match=f"names {len(names)} classes but the model's head has 3"):
+        lgvit.create_model(f"local-dir:{folder}")
+
+
+def test_a_model_whose_names_fit_another_head_writes_none(tmp_path):
+    m = lgvit.create_model("lsa_micro_cifar", num_classes=3, img_size=16)
+    m.pretrained_cfg["label_names"] = ["cat", "dog", "fox"]
+    m.reset_classifier(4)
+    config = json.loads((m.save_pretrained(tmp_path / "hf") / "config.json").read_text())
+    assert "label_names" not in config and config["pretrained_cfg"]["num_classes"] == 4
+    assert "label_names" not in lgvit.create_model(f"local-dir:{tmp_path / 'hf'}").pretrained_cfg
+
+
+def test_folders_lgvit_wrote_before_still_load(tmp_path):
+    """The layout of earlier versions: names at the top and in pretrained_cfg, the dataset in
+    pretrained_cfg."""
+    folder = _folder(tmp_path)
+    _edit(folder, cfg={"label_names": ["cat", "dog", "fox"], "dataset": "digits"},
+          label_names=["cat", "dog", "fox"], dataset=None)  # fmt: skip
+    cfg = lgvit.create_model(f"local-dir:{folder}").pretrained_cfg
+    assert cfg["label_names"] == ["cat", "dog", "fox"] and cfg["dataset"] == "digits"
+    x = torch.randn(1, 3, 16, 16)
+    with torch.no_grad():
+        assert lgvit.create_model(f"local-dir:{folder}").eval()(x).shape == (1, 3)
