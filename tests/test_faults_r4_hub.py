@@ -10,9 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import quick_init
+from PIL import Image
 
 import lgvit
+from lgvit.checkpoint import save_checkpoint
+from lgvit.cli import main
 from lgvit.errors import LgvitError
+from lgvit.record import CheckpointRecord
 
 
 @pytest.fixture(autouse=True)
@@ -108,3 +112,83 @@ def test_folders_lgvit_wrote_before_still_load(tmp_path):
     x = torch.randn(1, 3, 16, 16)
     with torch.no_grad():
         assert lgvit.create_model(f"local-dir:{folder}").eval()(x).shape == (1, 3)
+
+
+# ------------------------------------------------------ 13: the folder on the command line
+
+
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _twins(tmp_path: Path, names: list[str]) -> tuple[Path, Path]:
+    """The same weights, class names, mean/std and input size (16 px) as a ``save_pretrained``
+    folder and as an lgvit checkpoint (whose loading is the reference)."""
+    m = lgvit.create_model("lsa_micro_cifar", num_classes=len(names), img_size=16)
+    mean, std = (0.3, 0.4, 0.5), (0.2, 0.25, 0.3)
+    m.pretrained_cfg.update(label_names=names, mean=mean, std=std)
+    folder = m.save_pretrained(tmp_path / "hf")
+    record = CheckpointRecord(model="lsa_micro_cifar", img_size=16, num_classes=len(names),
+                              classes=tuple(names), mean=mean, std=std)  # fmt: skip
+    save_checkpoint(tmp_path / "ck", m.state_dict(), {"step": 0}, metadata=record.to_meta())
+    return folder, tmp_path / "ck"
+
+
+def _forms(folder: Path) -> list[str]:
+    return [f"local-dir:{folder}", str(folder), str(folder / "model.safetensors")]
+
+
+def test_eval_takes_the_folder_in_each_form(tmp_path, capsys):
+    folder, ck = _twins(tmp_path, [str(i) for i in range(10)])  # digits' classes
+    runs = {}
+    for form in [str(ck), *_forms(folder)]:
+        rc, out, err = _cli(capsys, "eval", "--checkpoint", form, "--data", "digits",
+                            "--amp", "none", "--device", "cpu", "-j", "0", "--json")  # fmt: skip
+        assert rc == 0, (form, err)
+        runs[form] = json.loads(out)
+    ref = runs.pop(str(ck))
+    assert ref["preprocessing"]["mean"] == [0.3, 0.4, 0.5] and ref["images"] == 300
+    for form, res in runs.items():
+        assert res["preprocessing"] == ref["preprocessing"], form
+        assert (res["acc1"], res["loss"]) == (ref["acc1"], ref["loss"]), form
+
+
+def test_predict_takes_the_folder_in_each_form(tmp_path, capsys):
+    folder, ck = _twins(tmp_path, ["cat", "dog", "fox"])
+    img = tmp_path / "x.png"
+    Image.new("RGB", (40, 30), (200, 90, 40)).save(img)
+    outs = []
+    for form in [str(ck), *_forms(folder)]:
+        rc, out, err = _cli(capsys, "predict", "--checkpoint", form, "--device", "cpu",
+                            "--json", str(img))  # fmt: skip
+        assert rc == 0, (form, err)
+        outs.append(json.loads(out))
+    assert {lbl for lbl, _ in outs[0][0]["top"]} == {"cat", "dog", "fox"}
+    assert all(o == outs[0] for o in outs[1:])
+    rc, _, err = _cli(capsys, "predict", "--checkpoint", str(folder), "--model", "lit_ti",
+                      str(img))  # fmt: skip
+    assert rc == 2 and err.strip().count("\n") == 0, err
+    assert f"{folder} holds lsa_micro_cifar (its config.json names it), but --model lit_ti" in err
+
+
+def test_export_takes_the_folder_in_each_form(tmp_path, capsys):
+    folder, _ = _twins(tmp_path, ["cat", "dog", "fox"])
+    from lgvit.export import file_metadata
+
+    for i, form in enumerate(_forms(folder)):
+        out = tmp_path / f"m{i}.pt2"
+        rc, _, err = _cli(capsys, "export", form, "--format", "pt2", "--out", str(out),
+                          "--no-check")  # fmt: skip
+        assert rc == 0, (form, err)
+        meta = file_metadata(out)
+        assert meta["lgvit_model"] == "lsa_micro_cifar", form
+        assert json.loads(meta["label_names"]) == ["cat", "dog", "fox"], form
+        assert json.loads(meta["mean"]) == [0.3, 0.4, 0.5], form
+        assert json.loads(meta["input_size"]) == [3, 16, 16], form
+
+
+def test_a_directory_without_a_checkpoint_suggests_none_it_lacks(tmp_path, capsys):
+    rc, _, err = _cli(capsys, "predict", "--checkpoint", str(tmp_path), str(tmp_path / "x.png"))
+    assert rc == 2 and "no checkpoint in it" in err and "save_pretrained folder" in err, err

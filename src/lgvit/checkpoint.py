@@ -452,10 +452,12 @@ def _resolve_weights_path(path: Path) -> Path:
         return path
     if path.is_dir():
         found = sorted(p.name for p in path.glob(f"*{WEIGHTS_SUFFIX}"))
-        hint = f"; it holds {', '.join(found)}" if found else ""
+        if found:  # name what is there, not a run's last/best it may not have
+            raise LgvitError(f"{path}: is a directory; pass one of the files it holds: "
+                             f"{', '.join(found)}")  # fmt: skip
         raise LgvitError(
-            f"{path}: is a directory; pass a checkpoint such as {path / 'last'} or "
-            f"{path / 'best'}{hint}"
+            f"{path}: is a directory with no checkpoint in it (pass a run's {path / 'last'} or "
+            f"{path / 'best'}, a weights file, or a save_pretrained folder)"
         )
     for suffix in (WEIGHTS_SUFFIX, ".pt", ".pth"):
         candidate = path.with_name(path.name + suffix)

@@ -419,7 +419,8 @@ def _add_eval(sub: Any) -> None:
     p.add_argument(
         "--checkpoint",
         required=True,
-        help="runs/x/best, a .safetensors or .pth file, or weights NAME.TAG",
+        help="runs/x/best, a .safetensors or .pth file, weights NAME.TAG, or a save_pretrained "
+        "folder (DIR, DIR/model.safetensors, local-dir:DIR, hf-hub:ORG/NAME)",
     )
     p.add_argument("--model", help="default: the name stored in the checkpoint")
     p.add_argument("--data", required=True, choices=ALL_DATASETS)
@@ -441,7 +442,7 @@ def _add_predict(sub: Any) -> None:
         "refused. An unreadable file is skipped with a line on stderr and the exit status is "
         "then 1.",
     )
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", required=True, help="as eval's")
     p.add_argument("--model", help="default: the name stored in the checkpoint")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: CUDA if any)")
     p.add_argument("--json", action="store_true")

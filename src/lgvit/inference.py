@@ -43,8 +43,10 @@ def load_model(
     img_size: int | None = None,
 ) -> nn.Module:
     """An eval-mode model on ``device`` from an lgvit checkpoint (``runs/x/best``, a
-    ``.safetensors``) or a ``.pth`` state dict (then ``model_name`` is needed), or released
-    weights by name (``lit_ti.in1k_authors``: downloaded once, see ``lgvit weights list``).
+    ``.safetensors``) or a ``.pth`` state dict (then ``model_name`` is needed), released
+    weights by name (``lit_ti.in1k_authors``: downloaded once, see ``lgvit weights list``), or a
+    ``save_pretrained`` folder (``local-dir:DIR``, ``hf-hub:ORG/NAME``, ``DIR`` or
+    ``DIR/model.safetensors``: its ``config.json`` names the model).
 
     The model name, input size, class names and normalisation come from the checkpoint's
     metadata; ``model.pretrained_cfg`` carries them (``mean``, ``std``, ``label_names``,
@@ -53,7 +55,11 @@ def load_model(
     """
     from lgvit.checkpoint import load_record
     from lgvit.models import create_model, is_model
+    from lgvit.models.hub import folder_named
 
+    folder = folder_named(checkpoint)
+    if folder is not None:
+        return _load_folder(folder, checkpoint, device, model_name, img_size)
     released = _released(checkpoint, model_name)
     if released is not None:
         kwargs = {"img_size": img_size} if img_size is not None else {}
@@ -83,6 +89,27 @@ def load_model(
     from lgvit.checkpoint import check_finite_weights
 
     check_finite_weights(model, checkpoint)  # a diverged run's NaNs would only predict NaN
+    return model.to(resolve_device(device)).eval()
+
+
+def _load_folder(
+    folder: str, checkpoint: str, device: Any, model_name: str | None, img_size: int | None
+) -> nn.Module:
+    """A ``save_pretrained`` folder: the model, classes, mean/std and input size its
+    ``config.json`` gives; ``--model``, when given, must be the one it names."""
+    from lgvit.checkpoint import check_finite_weights
+    from lgvit.models import create_model
+    from lgvit.models.hub import CONFIG_NAME
+
+    kwargs = {"img_size": img_size} if img_size is not None else {}
+    try:
+        model = create_model(folder, **kwargs)
+    except ValueError as e:
+        raise LgvitError(f"{checkpoint}: {e}") from None
+    if model_name is not None and model_name != model.model_name:
+        raise LgvitError(f"{checkpoint} holds {model.model_name} (its {CONFIG_NAME} names it), "
+                         f"but --model {model_name} was given")  # fmt: skip
+    check_finite_weights(model, checkpoint)
     return model.to(resolve_device(device)).eval()
 
 

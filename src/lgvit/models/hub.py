@@ -139,6 +139,25 @@ def _check_config(config: dict[str, Any], path: Path) -> None:
             raise LgvitError(f"{path}: {key} {str(holder[name])[:60]!r} is not {want}")
 
 
+FOLDER_PREFIXES = ("local-dir:", "hf-hub:")
+
+
+def folder_named(source: str | os.PathLike) -> str | None:
+    """The folder a command line's checkpoint names, as ``create_model`` takes it
+    (``local-dir:DIR`` / ``hf-hub:ORG/NAME``), in any of its forms: those two as they are, a
+    folder holding ``config.json``, or its ``model.safetensors`` (with ``config.json`` beside
+    it); None for anything else (a checkpoint, a weights file, a name)."""
+    text = str(source)
+    if text.startswith(FOLDER_PREFIXES):
+        return text
+    path = Path(text)
+    if path.is_dir() and (path / CONFIG_NAME).is_file():
+        return f"local-dir:{path}"
+    if path.name == WEIGHTS_NAME and path.is_file() and (path.parent / CONFIG_NAME).is_file():
+        return f"local-dir:{path.parent}"
+    return None
+
+
 def weights_file(directory: str | os.PathLike) -> Path:
     """The path of a ``save_pretrained`` folder's weights; an error naming the folder if none."""
     weights = Path(directory) / WEIGHTS_NAME

@@ -224,7 +224,9 @@ def create_model(
     if num_classes is not None:  # the caller's own arguments: named as theirs
         _check_num_classes(num_classes)
     _check_img_size(overrides.get("img_size"))
-    if name.startswith(("local-dir:", "hf-hub:")):
+    from lgvit.models.hub import FOLDER_PREFIXES
+
+    if name.startswith(FOLDER_PREFIXES):
         if num_classes is not None:
             overrides["num_classes"] = num_classes
         model = _create_from_folder(name, **overrides)

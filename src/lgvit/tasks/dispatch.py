@@ -39,9 +39,12 @@ def task_of_checkpoint(args: argparse.Namespace) -> TaskSpec:
     without one (the authors' ``.pth``) by the released weights' table, then by ``--data`` or a
     flag that implies a task (``--detector``); else classification."""
     from lgvit.checkpoint import load_metadata
+    from lgvit.models.hub import folder_named
     from lgvit.models.weights import find_weights
     from lgvit.record import CheckpointRecord
 
+    if folder_named(args.checkpoint) is not None:  # save_pretrained writes classifiers only
+        return get_task(DEFAULT_TASK)
     try:
         meta = load_metadata(args.checkpoint)
     except LgvitError:  # not an lgvit file: released weights by name say their task
