@@ -192,3 +192,53 @@ def test_export_takes_the_folder_in_each_form(tmp_path, capsys):
 def test_a_directory_without_a_checkpoint_suggests_none_it_lacks(tmp_path, capsys):
     rc, _, err = _cli(capsys, "predict", "--checkpoint", str(tmp_path), str(tmp_path / "x.png"))
     assert rc == 2 and "no checkpoint in it" in err and "save_pretrained folder" in err, err
+
+
+# ------------------------------------------------- 14: a config.json that contradicts itself
+
+
+@pytest.mark.parametrize(
+    ("cfg", "key", "words"),
+    [
+        ({"std": [0, 0, 0]}, "pretrained_cfg.std", "3 positive numbers"),
+        ({"mean": [0.5, "0.5", 0.5]}, "pretrained_cfg.mean", "list of 3 numbers"),
+        ({"interpolation": "lanczos9"}, "pretrained_cfg.interpolation", "one of bicubic"),
+        ({"crop_pct": 0}, "pretrained_cfg.crop_pct", "(0, 1]"),
+        ({"label_names": ["cat", " ", "fox"]}, "pretrained_cfg.label_names", "class names"),
+    ],
+)  # fmt: skip
+def test_config_values_follow_the_records_rules(tmp_path, capsys, cfg, key, words):
+    folder = _folder(tmp_path)
+    _edit(folder, cfg=cfg)
+    rc, _, err = _cli(capsys, "predict", "--checkpoint", str(folder), str(tmp_path / "x.png"))
+    assert rc == 2 and err.strip().count("\n") == 0, err
+    assert f"{folder / 'config.json'}: {key} " in err and words in err, err
+
+
+def test_the_record_and_the_folder_share_one_rule_per_key():
+    from lgvit.record import value_problem
+
+    assert value_problem("std", [0.2, 0.2, 0.2]) is None
+    assert value_problem("std", [0, 0.2, 0.2]) == "a JSON list of 3 positive numbers"
+    assert value_problem("num_classes", 3) is None
+    for bad in ("3", 3.0, True, 0):  # a JSON string or float is not the record's whole number
+        assert value_problem("num_classes", bad) is not None, bad
+    assert value_problem("mean", "[0.5, 0.5, 0.5]") is not None  # a string, not a list
+    assert value_problem("dataset", 5) is not None and value_problem("dataset", "digits") is None
+
+
+def test_input_size_must_be_the_models(tmp_path, capsys):
+    folder = _folder(tmp_path)  # built at 16
+    _edit(folder, cfg={"input_size": [3, 64, 64]})
+    with pytest.raises(LgvitError) as e:
+        lgvit.create_model(f"local-dir:{folder}")
+    _one_line(e, f"{folder / 'config.json'}: pretrained_cfg.input_size [3, 64, 64]", "[3, 16, 16]")
+    rc, _, err = _cli(capsys, "export", str(folder), "--format", "hf", "--out",
+                      str(tmp_path / "out"))  # fmt: skip
+    assert rc == 2 and "pretrained_cfg.input_size" in err and not (tmp_path / "out").exists()
+    _edit(folder, cfg={"input_size": [3, 16, 16]})
+    # Built at another size by the caller: the model's own input size, not the folder's.
+    m = lgvit.create_model(f"local-dir:{folder}", img_size=32)
+    assert m.pretrained_cfg["input_size"] == (3, 32, 32)
+    with torch.no_grad():
+        assert m.eval()(torch.randn(1, 3, 32, 32)).shape == (1, 3)

@@ -9,8 +9,9 @@ checkpoint naming no task -- so checkpoints written before the record and after 
 either version. A malformed value (a hand-edited or foreign header) is one line naming the file
 and the key; a key a checkpoint lacks takes the record's default for its task.
 
-Also here: the type tests of metadata values (``is_size``, ``is_rgb``, ...), which
-``models/hub.py`` applies to a hub folder's ``config.json`` too.
+Also here: the type tests of metadata values (``is_size``, ``is_rgb``, ...) and each key's rule
+applied to a decoded value (:func:`value_problem`), which ``models/hub.py`` applies to a hub
+folder's ``config.json`` too.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "is_number",
     "is_rgb",
     "is_size",
+    "value_problem",
 ]
 
 
@@ -252,6 +254,18 @@ def _parse(
         return parse(raw)
     except (TypeError, ValueError):  # ValueError: json's too
         raise _bad(meta, key, source, want) from None
+
+
+def value_problem(key: str, value: Any) -> str | None:
+    """The record's rule for ``key`` applied to a value as JSON decodes it (a hub folder's
+    ``config.json`` carries the same facts): None when the record would write it and read the
+    same value back, else the words of what it must be."""
+    want, parse = _PARSERS[key]
+    try:
+        back = parse(_encode(value))
+    except (TypeError, ValueError):
+        return want
+    return None if back == (tuple(value) if isinstance(value, list) else value) else want
 
 
 def _check_together(values: Mapping[str, Any], meta: Mapping[str, str], source: str | Path) -> None:

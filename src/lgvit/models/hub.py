@@ -18,14 +18,15 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
 
 from lgvit.atomic import atomic_save_safetensors, atomic_write_bytes
-from lgvit.checkpoint import is_img_size, is_names, is_number, is_rgb, is_size
 from lgvit.errors import LgvitError, first_line
+from lgvit.record import is_img_size, is_size, value_problem
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -103,39 +104,54 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-_NAMES = ("a list of class names", is_names)
-_THREE = ("a list of 3 numbers", is_rgb)
-# What each key of config.json must be (what save_pretrained writes), as (words, test).
-_TYPES: dict[str, tuple[str, Any]] = {
-    "model_args": ("an object of architecture arguments", lambda v: isinstance(v, dict)),
-    "num_classes": ("a positive integer", lambda v: v is None or is_size(v)),
-    "pretrained_cfg": ("an object", lambda v: isinstance(v, dict)),
-    "label_names": _NAMES,
-    "dataset": ("a string", lambda v: isinstance(v, str)),
-    "model_args.img_size": (
-        "a positive integer or a [height, width] pair",
-        is_img_size,
-    ),
-    "pretrained_cfg.mean": _THREE,
-    "pretrained_cfg.std": _THREE,
-    "pretrained_cfg.input_size": (
+def _rule(want: str, ok: Callable[[Any], bool]) -> Callable[[Any], str | None]:
+    return lambda v: None if ok(v) else want
+
+
+def _record(key: str) -> Callable[[Any], str | None]:
+    """The checkpoint record's rule for the same fact (one home per rule: lgvit.record)."""
+    return lambda v: value_problem(key, v)
+
+
+def _interpolation(v: Any) -> str | None:
+    from lgvit.data.transforms import INTERPOLATIONS  # the names eval's resize has
+
+    if isinstance(v, str) and v in INTERPOLATIONS:
+        return None
+    return f"one of {', '.join(INTERPOLATIONS)}"
+
+
+# What each key of config.json must be (what save_pretrained writes): a rule giving the words of
+# what it must be, or None. timm's and older lgvit folders hold label_names and dataset in
+# pretrained_cfg too.
+_RULES: dict[str, Callable[[Any], str | None]] = {
+    "model_args": _record("model_kwargs"),
+    "num_classes": lambda v: None if v is None else value_problem("num_classes", v),
+    "pretrained_cfg": _rule("an object", lambda v: isinstance(v, dict)),
+    "label_names": _record("classes"),
+    "dataset": _record("dataset"),
+    "model_args.img_size": _rule("a positive integer or a [height, width] pair", is_img_size),
+    "pretrained_cfg.mean": _record("mean"),
+    "pretrained_cfg.std": _record("std"),
+    "pretrained_cfg.input_size": _rule(
         "a list of 3 positive integers",
         lambda v: isinstance(v, list) and len(v) == 3 and all(map(is_size, v)),
     ),
-    "pretrained_cfg.crop_pct": ("a number in (0, 1]", lambda v: is_number(v) and 0 < v <= 1),
-    "pretrained_cfg.interpolation": ("a string", lambda v: isinstance(v, str)),
-    "pretrained_cfg.dataset": ("a string", lambda v: isinstance(v, str)),
-    "pretrained_cfg.label_names": _NAMES,
+    "pretrained_cfg.crop_pct": _record("crop_pct"),
+    "pretrained_cfg.interpolation": _interpolation,
+    "pretrained_cfg.dataset": _record("dataset"),
+    "pretrained_cfg.label_names": _record("classes"),
 }
 
 
 def _check_config(config: dict[str, Any], path: Path) -> None:
     """A malformed ``config.json`` (a hand edit, another tool's) is one line naming the key."""
-    for key, (want, ok) in _TYPES.items():
+    for key, problem in _RULES.items():
         outer, _, inner = key.partition(".")
         holder = config.get(outer) if inner else config
         name = inner or outer
-        if isinstance(holder, dict) and name in holder and not ok(holder[name]):
+        want = problem(holder[name]) if isinstance(holder, dict) and name in holder else None
+        if want is not None:
             raise LgvitError(f"{path}: {key} {str(holder[name])[:60]!r} is not {want}")
 
 
@@ -184,11 +200,24 @@ def _preview(value: Any, n: int = 3) -> str:
     return "[" + ", ".join(map(str, value[:n])) + (", ...]" if len(value) > n else "]")
 
 
-def apply_saved_cfg(model: nn.Module, config: dict[str, Any], source: str) -> None:
+def apply_saved_cfg(
+    model: nn.Module, config: dict[str, Any], source: str, resized: bool = False
+) -> None:
     """Put the preprocessing and class names the folder carries into ``model.pretrained_cfg``;
-    the class names must name every output of the head the weights built."""
+    the class names must name every output of the head the weights built, and the input size
+    be the one its ``model_args`` build (``resized``: the caller built it at another; the
+    model's own is kept)."""
     path = Path(source) / CONFIG_NAME
-    cfg = config.get("pretrained_cfg", {})
+    cfg = dict(config.get("pretrained_cfg", {}))
+    built = tuple(model.pretrained_cfg["input_size"])
+    fixed = model.pretrained_cfg.get("fixed_input_size", True)
+    if resized:
+        cfg.pop("input_size", None)  # the model's own input stays
+    elif fixed and "input_size" in cfg and tuple(cfg["input_size"]) != built:  # a forward fails
+        raise LgvitError(
+            f"{path}: pretrained_cfg.input_size {cfg['input_size']} is not the input of the "
+            f"model its model_args build ({list(built)})"
+        )
     names = _lgvit_key(config, _NAMES_KEY, path)
     n = getattr(model, "num_classes", None)
     if names is not None and n is not None and len(names) != n:

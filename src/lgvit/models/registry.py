@@ -330,7 +330,8 @@ def _create_from_folder(name: str, **overrides: Any) -> nn.Module:
         model = create_model(arch, checkpoint_path=str(weights), **args)
     except (TypeError, ValueError) as e:  # model_args the architecture does not take
         raise LgvitError(f"{folder}/{hub.CONFIG_NAME}: model_args: {first_line(e)}") from None
-    hub.apply_saved_cfg(model, config, str(folder))
+    resized = bool({"img_size", "in_chans"} & overrides.keys())  # the caller's input
+    hub.apply_saved_cfg(model, config, str(folder), resized)
     return model
 
 
