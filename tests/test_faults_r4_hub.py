@@ -242,3 +242,34 @@ def test_input_size_must_be_the_models(tmp_path, capsys):
     assert m.pretrained_cfg["input_size"] == (3, 32, 32)
     with torch.no_grad():
         assert m.eval()(torch.randn(1, 3, 32, 32)).shape == (1, 3)
+
+
+# ----------------------------------------------------------------- 15: folders timm reads
+
+
+def test_lgvit_keys_stay_out_of_timms_pretrained_cfg(tmp_path):
+    """timm builds its PretrainedCfg from pretrained_cfg: a key it lacks (lgvit's dataset) was
+    a TypeError for any architecture of timm's own."""
+    timm = pytest.importorskip("timm")
+    folder = _folder(tmp_path, ["cat", "dog", "fox"])
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architecture"] == "lsa_micro_cifar" and config["dataset"] == "digits"
+    assert set(config["pretrained_cfg"]) <= set(timm.models.PretrainedCfg.__dataclass_fields__)
+    _edit(folder, architecture="test_vit", model_args={})
+    m = timm.create_model(f"local-dir:{folder}")  # timm's own model, from lgvit's folder
+    assert m.num_classes == 3 and list(m.pretrained_cfg["label_names"]) == ["cat", "dog", "fox"]
+    assert lgvit.create_model(f"local-dir:{_folder(tmp_path / 'b')}").pretrained_cfg[
+        "dataset"
+    ] == "digits"  # fmt: skip
+
+
+def test_a_folder_without_architecture_is_one_line(tmp_path, capsys):
+    folder = _folder(tmp_path)
+    _edit(folder, architecture=None)
+    rc, _, err = _cli(capsys, "predict", "--checkpoint", f"local-dir:{folder}", "x.png")
+    assert rc == 2 and err.strip().count("\n") == 0, err
+    missing = "the key 'architecture' (the model to build) is missing"
+    assert f"{folder / 'config.json'}: {missing}" in err, err
+    _edit(folder, architecture=["lsa_micro_cifar"])
+    with pytest.raises(LgvitError, match=r"architecture \['lsa_micro_cifar'\] is not a model name"):
+        lgvit.create_model(f"local-dir:{folder}")

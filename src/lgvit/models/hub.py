@@ -98,8 +98,12 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise LgvitError(f"{path}: not readable JSON ({e})") from None
-    if not isinstance(config, dict) or not isinstance(config.get("architecture"), str):
-        raise LgvitError(f"{path}: no 'architecture' naming the model")
+    if not isinstance(config, dict):
+        raise LgvitError(f"{path}: a JSON {type(config).__name__}, not an object of keys")
+    if "architecture" not in config:  # save_pretrained always writes it; timm needs it too
+        raise LgvitError(f"{path}: the key 'architecture' (the model to build) is missing")
+    if not isinstance(config["architecture"], str):
+        raise LgvitError(f"{path}: architecture {config['architecture']!r} is not a model name")
     _check_config(config, path)
     return config
 
