@@ -55,9 +55,10 @@ from lgvit.rundir import (
     RunLock,
     RunLog,
     check_mid_epoch_batch,
-    check_resumable,
     check_resume_keys,
+    find_resume,
     remove_stale_temps,
+    rescale_resume,
 )
 from lgvit.runtime import Dist, all_reduce_sum, barrier, resolve_amp, seed_everything
 
@@ -312,21 +313,6 @@ def _report_step(
 # --------------------------------------------------------------------------------- the run
 
 
-def _find_resume(cfg: TrainConfig) -> Path | None:
-    if not cfg.resume:
-        return None
-    if cfg.resume == "auto":
-        stem = Path(cfg.out) / "last"
-        check_resumable(stem.parent, checkpoint_paths(stem)[0])
-        return stem if checkpoint_paths(stem)[0].exists() else None
-    stem = Path(cfg.resume)
-    if stem.is_dir():
-        stem = stem / "last"
-    if not checkpoint_paths(stem)[0].exists():
-        raise LgvitError(f"--resume {cfg.resume}: no checkpoint found there")
-    return stem
-
-
 @dataclass
 class Run:
     """One training run's live state; :func:`run` builds it, the loop advances it."""
@@ -443,7 +429,7 @@ def _resumed_config(
     """(config, resume stem, weights, state): the saved run's config with this invocation's
     explicit keys on top when resuming; a run directory that already holds a run is refused
     without --resume."""
-    stem = _find_resume(cfg)
+    stem = find_resume(cfg.resume, out, [k for k in task.identity_keys if k in explicit])
     if stem is None and checkpoint_paths(out / "last")[0].exists():
         raise LgvitError(
             f"{out} already holds a run; pass --resume auto to continue it, or another --out"
@@ -548,8 +534,10 @@ def _start(
     prepared = task.prepare(cfg, d)
     check_loaders(prepared.train_loader, prepared.test_loader)  # before hours of training
     model = prepared.model
-    if stem is not None:
+    rescaled = None
+    if stem is not None:  # refused before anything is written, then noted once it starts
         check_same_classes(stem, prepared.metadata)
+        rescaled = rescale_resume(state, cfg, len(prepared.train_loader), d.world_size)
     if weights is not None:
         model.load_state_dict(weights)
     elif cfg.initial_checkpoint:  # a task may read other layouts (a backbone's weights)
@@ -566,7 +554,7 @@ def _start(
         f"{prepared.description}; {d.world_size} process(es) on {d.device.type}, "
         f"global batch {cfg.batch_size * d.world_size}; amp {amp or 'none'}"
     )
-    for note in prepared.notes:
+    for note in [*prepared.notes, *([rescaled] if rescaled else [])]:
         log(note)
     opt = _optimisation(cfg, task, prepared, d, amp)
     if stem is None:

@@ -15,9 +15,11 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from lgvit.checkpoint import checkpoint_paths
 from lgvit.errors import LgvitError
 
 LOCK_NAME = ".lock"
@@ -108,17 +110,58 @@ RUN_FILES = (
 )  # fmt: skip
 
 
-def check_resumable(out: Path, checkpoint: Path) -> None:
+def run_files(out: Path) -> list[str]:
+    """The files of a run that ``out`` holds (its ``last`` checkpoint first); [] for a new or
+    empty directory."""
+    names = (checkpoint_paths(Path("last"))[0].name, *RUN_FILES)
+    return [name for name in names if (Path(out) / name).exists()]
+
+
+def check_resumable(out: Path, checkpoint: Path, given: Iterable[str] | None = None) -> None:
     """``--resume auto`` with no ``checkpoint`` to resume: refused (one line) when the directory
     holds another run's files, which a fresh run would overwrite (and whose config it would
-    ignore); an empty or new directory starts a run."""
-    found = [name for name in RUN_FILES if (Path(out) / name).exists()]
+    ignore). An empty or new directory starts the run the command describes (a preemption
+    script's first launch), unless it describes none: ``given``, the run-defining keys (a task's
+    ``identity_keys``) this invocation set, is empty (a mistyped ``--out``, most likely)."""
+    found = run_files(out)
     if found and not checkpoint.exists():
         raise LgvitError(
             f"--resume auto: {out} holds a run ({', '.join(found[:3])}) but not {checkpoint.name},"
             " the checkpoint to resume; restore it, resume another checkpoint with --resume "
             "PATH, or start over in another --out"
         )
+    if not found and given is not None and not list(given):
+        raise LgvitError(
+            f"--resume auto: {out} holds no run to resume (no {checkpoint.name}), and nothing "
+            "says what to train (--config, --model, --data); check --out, or give the run's "
+            "settings to start it there"
+        )
+
+
+def find_resume(resume: str | None, out: Path, given: Iterable[str]) -> Path | None:
+    """The checkpoint stem ``--resume`` names (``auto``: ``<out>/last``; None when there is none
+    yet: :func:`check_resumable`). Another run's checkpoint may start a new directory but not
+    go into one holding a run: its metrics and checkpoints would be replaced by the other
+    run's."""
+    if not resume:
+        return None
+    if resume == "auto":
+        stem = Path(out) / "last"
+        check_resumable(stem.parent, checkpoint_paths(stem)[0], given)
+        return stem if checkpoint_paths(stem)[0].exists() else None
+    stem = Path(resume)
+    if stem.is_dir():
+        stem = stem / "last"
+    if not checkpoint_paths(stem)[0].exists():
+        raise LgvitError(f"--resume {resume}: no checkpoint found there")
+    found = run_files(out)
+    if found and stem.parent.resolve() != Path(out).resolve():
+        raise LgvitError(
+            f"--resume {resume}: a checkpoint of another run ({stem.parent}), and {out} holds "
+            f"its own ({', '.join(found[:3])}); continue that run with --out {stem.parent}, "
+            f"this one with --resume auto, or resume into a new --out"
+        )
+    return stem
 
 
 def check_mid_epoch_batch(
@@ -142,6 +185,35 @@ def check_mid_epoch_batch(
             f"{mid.get('batch')} of {saved} images; resume it with --batch-size {saved} (the "
             "batch size may change at an epoch boundary, from a checkpoint saved after an epoch)"
         )
+
+
+def rescale_resume(state: dict, cfg: Any, steps_per_epoch: int, world_size: int) -> str | None:
+    """A resume after an epoch with another global batch (``--batch-size``, or the process
+    count): an epoch takes another number of steps, so the schedule's position
+    (``state["global_step"]``, changed here) moves to the same epoch counted in the new steps,
+    and the base lr follows the batch (``scaled_lr``); returns that note (None: same batch). An
+    iteration budget counts steps of the run's batch: such a resume is refused (one line)."""
+    from lgvit.config import config_from_dict, scaled_lr
+
+    saved = config_from_dict(state.get("config") or {}, source="the checkpoint's config")
+    ranks = len((state.get("extra") or {}).get("rng_per_rank") or []) or world_size
+    was, now = saved.batch_size * ranks, cfg.batch_size * world_size
+    if was == now:
+        return None
+    if cfg.iters:
+        raise LgvitError(
+            f"--resume {cfg.resume}: the run's budget of {cfg.iters} iterations counts steps of "
+            f"{was} images (--batch-size {saved.batch_size} on {ranks} process(es)), not {now}; "
+            "resume it with that global batch"
+        )
+    done, old_step = state["epoch"] + 1, state["global_step"]
+    state["global_step"] = done * steps_per_epoch
+    return (
+        f"the global batch is {now} images, not {was} as the run trained: {steps_per_epoch} "
+        f"steps an epoch, the lr schedule continues after epoch {done} at step "
+        f"{state['global_step']} (was {old_step}), its base lr scaled with the batch to "
+        f"{scaled_lr(cfg, world_size):.3g} (was {scaled_lr(saved, ranks):.3g})"
+    )
 
 
 def check_resume_keys(
