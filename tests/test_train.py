@@ -160,14 +160,16 @@ def test_train_eval_predict_plot(tmp_path):
     again = lgvit("train", *FAST, "--data", "synthetic", "--epochs", "2", "--out", str(run))
     one_line_error(again, "already holds a run", "--resume auto")
 
-    ev = lgvit("eval", "--checkpoint", str(run / "last"), "--data", "synthetic", "--json")
+    # --amp auto: the precision the run evaluated in (eval's default is fp32)
+    ev = lgvit("eval", "--checkpoint", str(run / "last"), "--data", "synthetic", "--json",
+               "--amp", "auto")  # fmt: skip
     assert ev.returncode == 0, ev.stderr
     res = json.loads(ev.stdout)
     assert res["count"] == 128 and len(res["per_class_acc"]) == 10
     assert res["acc1"] == pytest.approx(rows[-1]["test_acc1"], abs=1e-3)
     # The EMA weights are a checkpoint of their own (lgvit evaluates the EMA model each epoch).
     ema = lgvit("eval", "--checkpoint", str(run / "last_ema"), "--data", "synthetic", "--json",
-                "--device", "cpu")  # fmt: skip
+                "--device", "cpu", "--amp", "auto")  # fmt: skip
     assert ema.returncode == 0, ema.stderr
     assert json.loads(ema.stdout)["acc1"] == pytest.approx(rows[-1]["test_ema_acc1"], abs=1e-3)
     one_line_error(
@@ -309,7 +311,9 @@ def test_architecture_keys_travel_with_the_checkpoint(tmp_path):
               "--data", "synthetic", "--epochs", "1", "--out", str(run), "--set", "patch_size=4",
               "--set", "log_every=1000")  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
-    ev = lgvit("eval", "--checkpoint", str(run / "last"), "--data", "synthetic", "--json")
+    # --amp auto: the precision the run evaluated in (eval's default is fp32)
+    ev = lgvit("eval", "--checkpoint", str(run / "last"), "--data", "synthetic", "--json",
+               "--amp", "auto")  # fmt: skip
     assert ev.returncode == 0, ev.stderr
     assert json.loads(ev.stdout)["acc1"] == pytest.approx(metrics(run)[-1]["test_acc1"], abs=1e-3)
     bad = lgvit("train", "--model", "lsa_micro_cifar", "--data", "synthetic", "--epochs", "1",

@@ -294,9 +294,11 @@ def report_predictions(
     failed: list[str],
     as_json: bool,
     line: Callable[[dict[str, Any]], str],
+    precision: str,
 ) -> int:
     """``lgvit predict``'s ending: every unreadable image a line on stderr (all unreadable:
-    the first as the error), the results as JSON or ``line(result)`` each; exit status 1 when
+    the first as the error), the results as JSON (each with its ``precision``) or
+    ``line(result)`` each after a line naming the ``precision`` that ran; exit status 1 when
     an image was skipped."""
     import json
     import sys
@@ -306,9 +308,12 @@ def report_predictions(
         raise LgvitError(failed[0] + more)
     for msg in failed:
         print(f"lgvit predict: skipped: {msg}", file=sys.stderr)
+    for r in results:
+        r["precision"] = precision
     if as_json:
         print(json.dumps(results, indent=2))
     else:
+        print(f"precision: {precision}")
         for r in results:
             print(line(r))
     return 1 if failed else 0

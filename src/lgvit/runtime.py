@@ -144,6 +144,13 @@ def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if cpu_supports_bf16() else None
 
 
+def precision_name(dtype: torch.dtype | None) -> str:
+    """What ran, in words for a result line: ``fp32``, ``bf16 autocast`` or ``fp16 autocast``."""
+    if dtype is None:
+        return "fp32"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype)) + " autocast"
+
+
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     """Autocast to ``dtype`` on ``device``'s type; nothing when ``dtype`` is None."""
     if dtype is None:

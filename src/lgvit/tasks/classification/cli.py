@@ -56,7 +56,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from lgvit.data.loader import AugmentConfig
     from lgvit.data.stream import make_loader
     from lgvit.inference import load_model, resolve_preprocessing
-    from lgvit.runtime import Dist, resolve_amp
+    from lgvit.runtime import Dist, precision_name, resolve_amp
     from lgvit.tasks.classification.evaluate import (
         RealLabels,
         TopKRecorder,
@@ -89,7 +89,7 @@ def run_eval(args: argparse.Namespace) -> int:
                    on_batch=recorder)  # fmt: skip
     res.update(checkpoint=str(args.checkpoint), data=args.data, images=len(split),
                unreadable=len(split) - res["count"], preprocessing=pre.to_dict(),
-               classes=list(split.classes))  # fmt: skip
+               classes=list(split.classes), precision=precision_name(amp))  # fmt: skip
     if recorder is not None:
         idx, labels, top, probs = recorder.result()
         if real_sets is not None:
@@ -131,7 +131,8 @@ def _print_eval(args: argparse.Namespace, res: dict[str, Any]) -> None:
     if len(res["classes"]) <= 100:  # ImageNet's thousand rows are in --json
         for cls, acc in zip(res["classes"], res["per_class_acc"], strict=True):
             print(f"  {cls:20s} {acc:6.2f}%")
-    print(f"top-1 {res['acc1']:.2f}%  top-5 {res['acc5']:.2f}%  loss {res['loss']:.4f}")
+    print(f"top-1 {res['acc1']:.2f}%  top-5 {res['acc5']:.2f}%  loss {res['loss']:.4f}  "
+          f"({res['precision']})")  # fmt: skip
     if "real_acc1" in res:
         print(f"ReaL top-1 {res['real_acc1']:.2f}%  top-5 {res['real_acc5']:.2f}%  "
               f"({res['real_count']} images with ReaL labels)")  # fmt: skip
@@ -163,6 +164,7 @@ def run_predict(args: argparse.Namespace) -> int:
     import torch
 
     from lgvit.inference import load_model, preprocess_images
+    from lgvit.runtime import autocast, precision_name
 
     if args.topk < 1:
         raise LgvitError(f"--topk {args.topk}: must be at least 1")
@@ -173,6 +175,7 @@ def run_predict(args: argparse.Namespace) -> int:
     run = _compiled(model) if args.compile else model
     device = next(model.parameters()).device
     classes = model.pretrained_cfg.get("label_names")  # the checkpoint's class names
+    amp = None  # predict takes no --amp: full precision
     results, failed = [], []
     for path in images:
         try:
@@ -180,8 +183,8 @@ def run_predict(args: argparse.Namespace) -> int:
         except LgvitError as e:  # one bad file among good ones: say so (below), go on
             failed.append(str(e))
             continue
-        with torch.no_grad():
-            probs = run(x.to(device)).softmax(-1)[0].cpu()
+        with torch.no_grad(), autocast(device, amp):
+            probs = run(x.to(device)).float().softmax(-1)[0].cpu()
         top = probs.topk(min(args.topk, len(probs)))
         labels = [_label(classes, i) for i in top.indices.tolist()]
         results.append(
@@ -192,4 +195,4 @@ def run_predict(args: argparse.Namespace) -> int:
     def line(r: dict[str, Any]) -> str:
         return f"{r['image']}: " + ", ".join(f"{lbl} {100 * p:.1f}%" for lbl, p in r["top"])
 
-    return report_predictions(results, failed, args.json, line)
+    return report_predictions(results, failed, args.json, line, precision_name(amp))

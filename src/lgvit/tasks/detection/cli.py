@@ -40,7 +40,7 @@ def run_eval(args: argparse.Namespace) -> int:
     format (bbox in F.json, masks in F.segm.json) for anyone to rerun COCOeval on."""
     from lgvit.atomic import atomic_write_bytes
     from lgvit.data.coco import COCO_DATASETS, DetEvalLoader, load_coco_split, require_masks
-    from lgvit.runtime import Dist, resolve_amp
+    from lgvit.runtime import Dist, precision_name, resolve_amp
     from lgvit.tasks.detection.evaluate import STATS, evaluate_detection, load_detector
 
     if args.data not in COCO_DATASETS:
@@ -69,8 +69,9 @@ def run_eval(args: argparse.Namespace) -> int:
         )
     device = next(model.parameters()).device
     loader = DetEvalLoader(split, workers=args.workers)
+    amp = resolve_amp(args.amp, device)
     res = evaluate_detection(model, loader, split, info["label_offset"], Dist(device=device),
-                             resolve_amp(args.amp, device), keep_results=True,
+                             amp, keep_results=True,
                              masks=model.detector == "maskrcnn")  # fmt: skip
     results = res.pop("results")
     if args.predictions:
@@ -82,12 +83,12 @@ def run_eval(args: argparse.Namespace) -> int:
             atomic_write_bytes(segm, json.dumps(results["segm"]).encode())
             res["predictions_segm"] = str(segm)
     res.update(checkpoint=str(args.checkpoint), data=args.data, images=len(split),
-               annotations=str(split.ann_file))  # fmt: skip
+               annotations=str(split.ann_file), precision=precision_name(amp))  # fmt: skip
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
     print(f"{args.checkpoint} on {split.ann_file} ({res['count']} images, "
-          f"{res['detections']} detections)")  # fmt: skip
+          f"{res['detections']} detections, {res['precision']})")  # fmt: skip
     if res["unreadable"]:
         print(f"  {res['unreadable']} unreadable image(s) counted as without detections"
               + "".join(f"\n    {m}" for m in res.get("unreadable_examples", [])))  # fmt: skip
@@ -111,6 +112,7 @@ def run_predict(args: argparse.Namespace) -> int:
     ``--json``), NAME distinct per input (:func:`~lgvit.inference.output_stems`)."""
     from lgvit.atomic import atomic_write_bytes
     from lgvit.inference import expand_images, images_with_outputs, report_predictions
+    from lgvit.runtime import precision_name
     from lgvit.tasks.detection.evaluate import detect, load_detector
     from lgvit.tasks.segmentation.cli import save_png
     from lgvit.tasks.segmentation.evaluate import palette
@@ -121,15 +123,17 @@ def run_predict(args: argparse.Namespace) -> int:
     model = load_detector(args.checkpoint, args.device, args.model, args.detector)
     info = model.det_info
     colours = palette(len(info["classes"]) + 1)[1:]
+    amp = None  # predict takes no --amp: full precision
     results: list[dict] = []
     failed: list[str] = []
     for path, base, img in images_with_outputs(images, args.out, failed):
-        (det,) = detect(model, [img])
+        (det,) = detect(model, [img], amp)
         dets = _detections(det, info)
         png, js = Path(f"{base}_det.png"), Path(f"{base}_det.json")
         labels = (det["labels"] - info["label_offset"]).numpy()
         save_png(_draw(img, det, dets, colours[labels], args.score_thr), png)
-        result = {"image": path, "drawn": str(png), "json": str(js), "detections": dets}
+        result = {"image": path, "drawn": str(png), "json": str(js), "detections": dets,
+                  "precision": precision_name(amp)}  # fmt: skip
         atomic_write_bytes(js, json.dumps(result, indent=1).encode())
         results.append(result)
 
@@ -138,7 +142,7 @@ def run_predict(args: argparse.Namespace) -> int:
         top = ", ".join(f"{d['class']} {100 * d['score']:.0f}%" for d in shown[:5])
         return f"{r['image']}: {r['drawn']} ({len(shown)} above {args.score_thr}: {top})"
 
-    return report_predictions(results, failed, args.json, line)
+    return report_predictions(results, failed, args.json, line, precision_name(amp))
 
 
 def _detections(det: dict[str, Any], info: dict[str, Any]) -> list[dict[str, Any]]:

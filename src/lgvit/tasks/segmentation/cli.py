@@ -34,7 +34,7 @@ def run_eval(args: argparse.Namespace) -> int:
     """mIoU, mAcc, aAcc and per-class IoU of a segmentation checkpoint on a split's whole
     images (mmseg's single-scale ``whole`` inference; ``--tta flip``: its flip test)."""
     from lgvit.data.segmentation import SEG_DATASETS, SegEvalLoader, load_seg_split
-    from lgvit.runtime import Dist, resolve_amp
+    from lgvit.runtime import Dist, precision_name, resolve_amp
     from lgvit.tasks.segmentation.evaluate import evaluate_segmentation, load_segmenter
 
     if args.data not in SEG_DATASETS:
@@ -65,7 +65,8 @@ def run_eval(args: argparse.Namespace) -> int:
     res = evaluate_segmentation(model, loader, n, Dist(device=device), amp, info["mean"],
                                 info["std"], flip=args.tta == "flip")  # fmt: skip
     res.update(checkpoint=str(args.checkpoint), data=args.data, images=len(split),
-               classes=list(split.classes), scale=list(info["scale"]), tta=args.tta)  # fmt: skip
+               classes=list(split.classes), scale=list(info["scale"]), tta=args.tta,
+               precision=precision_name(amp))  # fmt: skip
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
@@ -78,7 +79,8 @@ def run_eval(args: argparse.Namespace) -> int:
             iou_s = "   -  " if iou is None else f"{iou:6.2f}"
             acc_s = "   -  " if acc is None else f"{acc:6.2f}"
             print(f"  {name:24s} IoU {iou_s}%  Acc {acc_s}%")
-    print(f"mIoU {res['mIoU']:.2f}%  mAcc {res['mAcc']:.2f}%  aAcc {res['aAcc']:.2f}%")
+    print(f"mIoU {res['mIoU']:.2f}%  mAcc {res['mAcc']:.2f}%  aAcc {res['aAcc']:.2f}%  "
+          f"({res['precision']})")  # fmt: skip
     return 0
 
 
@@ -94,6 +96,7 @@ def run_predict(args: argparse.Namespace) -> int:
     from lgvit.data.decode import exif_orientation
     from lgvit.data.segmentation import eval_sample
     from lgvit.inference import expand_images, images_with_outputs, report_predictions
+    from lgvit.runtime import precision_name
     from lgvit.tasks.segmentation.evaluate import load_segmenter, palette, predict_logits
 
     if not args.out:
@@ -102,12 +105,13 @@ def run_predict(args: argparse.Namespace) -> int:
     model = load_segmenter(args.checkpoint, args.device, args.model)
     info = model.seg_info
     colours = palette(len(info["classes"]))
+    amp = None  # predict takes no --amp: full precision
     results: list[dict] = []
     failed: list[str] = []
     for path, base, img in images_with_outputs(images, args.out, failed, upright=False):
         orientation = exif_orientation(path)
         x = eval_sample(img, info["scale"])[None]
-        logits = predict_logits(model, x, tuple(img.shape[-2:]), info["mean"], info["std"])
+        logits = predict_logits(model, x, tuple(img.shape[-2:]), info["mean"], info["std"], amp)
         pred = logits.argmax(1)[0].to(torch.uint8).cpu().numpy()
         mask, over = Path(f"{base}_mask.png"), Path(f"{base}_overlay.png")
         save_png(Image.fromarray(pred), mask, orientation)
@@ -123,7 +127,7 @@ def run_predict(args: argparse.Namespace) -> int:
         top = ", ".join(f"{k} {100 * v:.1f}%" for k, v in list(r["classes"].items())[:5])
         return f"{r['image']}: {r['mask']}, {r['overlay']} ({top})"
 
-    return report_predictions(results, failed, args.json, line)
+    return report_predictions(results, failed, args.json, line, precision_name(amp))
 
 
 def save_png(img: Image.Image, path: Path, orientation: int = 1) -> None:
