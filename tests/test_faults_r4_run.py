@@ -10,10 +10,12 @@ import shutil
 import warnings
 
 import pytest
+from test_eval import eval_args, v2_checkpoint  # noqa: F401 -- its fixture, by name
 from test_train import FAST
 
 from lgvit.checkpoint import load_checkpoint_pair
 from lgvit.cli import main
+from lgvit.config import shipped_configs
 
 SYN = ["train", *FAST, "--data", "synthetic", "--amp", "none"]
 
@@ -111,3 +113,57 @@ def test_resume_of_an_iteration_budget_with_another_batch_size_is_refused(runs, 
                  "--iters", "4"])  # fmt: skip
     _one_line(capsys, code, "budget of 4 iterations counts steps of 32 images", "not 16")
     assert _files(run) == before
+
+
+# ---------------------------------------------------------------- 6: nested too deeply
+
+
+def test_configs_nested_too_deeply_are_one_line(tmp_path, capsys):
+    """A YAML config or a ``--set`` value nested thousands deep was a RecursionError
+    traceback."""
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("lr: " + "[" * 5000 + "]" * 5000 + "\n")
+    out = tmp_path / "out"
+    code = main(["train", "--config", str(deep), "--out", str(out)])
+    _one_line(capsys, code, f"{deep}: YAML nested too deeply to read")
+    code = main(["train", "--set", "lr=" + "[" * 3000 + "]" * 3000, "--out", str(out)])
+    _one_line(capsys, code, "--set lr: YAML nested too deeply to read")
+    code = main(["configs", "--show", str(deep)])
+    _one_line(capsys, code, f"{deep}: YAML nested too deeply to read")
+    assert not out.exists()
+
+
+def test_real_labels_nested_too_deeply_or_all_empty_are_one_line(request, tmp_path, capsys):
+    """A ReaL file nested 100000 deep was a RecursionError traceback; one whose every list is
+    empty printed "ReaL top-1 0.00% (0 images ...)"."""
+    root, files = request.getfixturevalue("v2_checkpoint")
+    deep, empty = tmp_path / "deep.json", tmp_path / "empty.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    empty.write_text(json.dumps([[] for _ in files]))
+    code = main(eval_args(root, "--real-labels", str(deep)))
+    _one_line(capsys, code, f"--real-labels {deep}: JSON nested too deeply to read")
+    code = main(eval_args(root, "--real-labels", str(empty)))
+    _one_line(capsys, code, str(empty), f"none of the {len(files)} images has a ReaL label")
+
+
+# ----------------------------------------------------------------- 15: configs --show
+
+
+def test_configs_show_prints_configs_only(tmp_path, capsys):
+    """``lgvit configs --show /etc/passwd`` printed the file: --show takes a shipped config's
+    name or a .yaml/.yml file holding config keys."""
+    passwd = tmp_path / "passwd"
+    passwd.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    (tmp_path / "secret.yml").write_text("password: hunter2\n")
+    for name, needle in (("passwd", "not a config (a .yaml or .yml file)"),
+                         ("list.yaml", "top level must be a mapping"),
+                         ("secret.yml", "unknown config key 'password'")):  # fmt: skip
+        code = main(["configs", "--show", str(tmp_path / name)])
+        assert "hunter2" not in _one_line(capsys, code, str(tmp_path / name), needle)
+        assert capsys.readouterr().out == ""
+    mine = tmp_path / "mine.yml"
+    mine.write_text("# my run\nlr: 0.001\n")
+    for spec, path in (("cifar10_lsa_tiny", shipped_configs()["cifar10_lsa_tiny"]), (mine, mine)):
+        assert main(["configs", "--show", str(spec)]) == 0
+        assert capsys.readouterr().out == path.read_text()

@@ -41,6 +41,7 @@ __all__ = [
     "SEG_DATASETS",
     "TrainConfig",
     "config_description",
+    "config_text",
     "config_from_dict",
     "config_keys",
     "config_to_dict",
@@ -307,6 +308,7 @@ def _short(value: Any) -> str:
 
 
 MAX_YAML_ALIASES = 16
+MAX_YAML_DEPTH = 16  # a flat config nests 2 deep (the file's mapping, a list value)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -335,17 +337,35 @@ _UniqueKeyLoader.add_constructor(
 )
 
 
+def _check_yaml_events(text: str, where: str) -> None:
+    """Before anything is built: an alias bomb expands exponentially when used, and a
+    structure nested thousands deep takes PyYAML's scanner seconds per thousand levels (it
+    rescans every open level per token) and then its constructor's recursion; a flat config
+    needs no alias and two levels, so both are refused early, in one line."""
+    aliases = depth = 0
+    for ev in yaml.parse(text):
+        if isinstance(ev, yaml.AliasEvent):
+            aliases += 1
+        elif isinstance(ev, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise LgvitError(f"{where}: YAML nested too deeply to read (more than "
+                                 f"{MAX_YAML_DEPTH} levels; a flat config has 2)")  # fmt: skip
+        elif isinstance(ev, yaml.CollectionEndEvent):
+            depth -= 1
+    if aliases > MAX_YAML_ALIASES:
+        raise LgvitError(
+            f"{where}: {aliases} YAML aliases (*name); a flat config needs none, at most "
+            f"{MAX_YAML_ALIASES} are read"
+        )
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise LgvitError(f"{path}: no such config file")
     try:
         text = path.read_text(encoding="utf-8")
-        aliases = sum(isinstance(ev, yaml.AliasEvent) for ev in yaml.parse(text))
-        if aliases > MAX_YAML_ALIASES:  # an alias bomb expands exponentially when used
-            raise LgvitError(
-                f"{path}: {aliases} YAML aliases (*name); a flat config needs none, at most "
-                f"{MAX_YAML_ALIASES} are read"
-            )
+        _check_yaml_events(text, str(path))
         data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -373,6 +393,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 # Package data: the configs install with lgvit, so `--config NAME` works from a pip install too.
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+CONFIG_SUFFIXES = (".yaml", ".yml")
 _SENTENCE_END = re.compile(r"[.;](\s|$)")
 
 
@@ -393,6 +414,21 @@ def config_description(path: str | Path) -> str:
     return text[: end.start()] if end else text
 
 
+def config_text(spec: str | Path) -> str:
+    """The text of a config, for ``lgvit configs --show``: a shipped config's name, or a YAML
+    file (``.yaml``/``.yml``) holding a mapping of config keys. The command prints what it is
+    given, so anything else (``/etc/passwd``) is one line, nothing printed."""
+    path = resolve_config(spec)
+    if path.suffix.lower() not in CONFIG_SUFFIXES:
+        raise LgvitError(
+            f"{spec}: not a config (a .yaml or .yml file); `lgvit configs` lists the shipped ones"
+        )
+    for key in _read_yaml(path):
+        if not isinstance(key, str) or key not in _FIELDS:
+            raise LgvitError(_unknown_key_message(key, str(path)))
+    return path.read_text(encoding="utf-8")
+
+
 def resolve_config(spec: str | Path) -> Path:
     """The YAML file a ``--config`` value names: an existing file (a path wins), else a shipped
     config's name, with or without ``.yaml``. Anything else is a one-line error."""
@@ -400,7 +436,9 @@ def resolve_config(spec: str | Path) -> Path:
     if path.is_file():
         return path
     text = str(spec)
-    name = text.removesuffix(".yaml").removesuffix(".yml")
+    name = text
+    for suffix in CONFIG_SUFFIXES:
+        name = name.removesuffix(suffix)
     shipped = shipped_configs()
     bare = path.name == text  # no folder in it: may be a shipped name
     if bare and name in shipped:
@@ -456,6 +494,7 @@ def load_config_with_explicit(
         if not sep or not key:
             raise LgvitError(f"--set {item!r}: expected key=value")
         try:
+            _check_yaml_events(text, f"--set {key}")
             value = yaml.safe_load(text) if text.strip() else None
         except yaml.YAMLError:
             value = text  # e.g. "a: b" is YAML syntax; keep the text for a str field

@@ -1,5 +1,8 @@
 """User-facing errors: the CLI prints ``str(err)`` as one line and exits non-zero."""
 
+import contextlib
+from collections.abc import Iterator
+
 
 class LgvitError(Exception):
     """A problem with the user's input (a file, a key, a shape), not a bug in lgvit."""
@@ -24,6 +27,17 @@ def last_line(e: BaseException) -> str:
     type name when the message is blank."""
     lines = error_lines(e)
     return lines[-1] if lines else type(e).__name__
+
+
+@contextlib.contextmanager
+def refuse_deep_nesting(where: str, kind: str) -> Iterator[None]:
+    """Python's JSON reader recurses once per nesting level: a document nested thousands deep
+    (no real annotation or label file is) raises RecursionError, here one line naming
+    ``where`` (the file, and the flag that named it)."""
+    try:
+        yield
+    except RecursionError:
+        raise LgvitError(f"{where}: {kind} nested too deeply to read") from None
 
 
 class Preempted(LgvitError):

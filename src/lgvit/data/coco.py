@@ -43,7 +43,7 @@ import torch
 
 from lgvit.data.decode import read_image_rgb
 from lgvit.data.segmentation import EpochLoader, _Items, _keep, own_generator, sample_rng
-from lgvit.errors import LgvitError
+from lgvit.errors import LgvitError, refuse_deep_nesting
 
 COCO_DATASETS = ("coco",)
 MIN_SIZE = 32  # mmdet's _filter_imgs: training images with a shorter side are dropped
@@ -249,12 +249,10 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise LgvitError(f"{path}: not found (COCO's instances_<split>2017.json)")
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") as f, refuse_deep_nesting(str(path), "JSON"):
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise LgvitError(f"{path}: not JSON (line {e.lineno}, column {e.colno})") from None
-    except RecursionError:  # json's parser recurses per nesting level
-        raise LgvitError(f"{path}: JSON nested too deeply to read") from None
     except (UnicodeDecodeError, OSError) as e:
         raise LgvitError(f"{path}: not readable JSON ({type(e).__name__})") from None
     if not isinstance(data, dict):

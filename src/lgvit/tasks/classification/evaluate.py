@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from lgvit.atomic import atomic_write_bytes
 from lgvit.config import TTA_MODES
 from lgvit.data.protocol import Loader
-from lgvit.errors import LgvitError, first_line
+from lgvit.errors import LgvitError, first_line, refuse_deep_nesting
 from lgvit.progress import StepProgress, on_terminal
 from lgvit.runtime import Dist, all_reduce_sum, autocast
 
@@ -158,7 +158,8 @@ class RealLabels:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
+            with refuse_deep_nesting(f"--real-labels {path}", "JSON"):
+                data = json.loads(self.path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise LgvitError(
                 f"--real-labels {path}: not a readable JSON file ({first_line(e)})"
@@ -193,6 +194,11 @@ class RealLabels:
                     f"beyond the model's {num_classes} classes"
                 )
             out.append(self.labels[i])
+        if names and not any(out):  # ReaL's accuracy would be 0.00% of 0 images
+            raise LgvitError(
+                f"--real-labels {self.path}: none of the {len(names)} images has a ReaL label "
+                "(each one's list is empty); nothing to score"
+            )
         return out
 
 
