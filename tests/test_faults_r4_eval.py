@@ -104,3 +104,47 @@ def test_predict_says_its_precision(ckpts, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[0] == "precision: fp32"
     assert main([*base, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["precision"] == "fp32"
+
+
+# ------------------------------------------- item 9: float flags refused out of their range
+
+FLOAT_CASES = [
+    ("predict", "--score-thr", ["nan"], "nan: must be a number in [0, 1]"),
+    ("predict", "--score-thr", ["-1"], "-1: must be a number in [0, 1]"),
+    ("predict", "--score-thr", ["2"], "2: must be a number in [0, 1]"),
+    ("predict", "--score-thr", ["inf"], "inf: must be a number in [0, 1]"),
+    ("predict", "--score-thr", ["x"], "'x' is not a number: must be a number in [0, 1]"),
+    ("eval", "--crop-pct", ["0"], "0: must be a number in (0, 1]"),
+    ("eval", "--crop-pct", ["nan"], "nan: must be a number in (0, 1]"),
+    ("eval", "--crop-pct", ["1.5"], "1.5: must be a number in (0, 1]"),
+    ("eval", "--std", ["0.2", "nan", "0.2"], "nan: must be a finite number > 0"),
+    ("eval", "--std", ["0.2", "0", "0.2"], "0: must be a finite number > 0"),
+    ("eval", "--mean", ["0.5", "inf", "0.5"], "inf: must be a finite number"),
+]
+
+
+@pytest.mark.parametrize(("command", "flag", "values", "needle"), FLOAT_CASES)
+def test_float_flags_out_of_range_are_refused_at_parsing(command, flag, values, needle, tmp_path,
+                                                         capsys):  # fmt: skip
+    """``predict --score-thr`` took nan, -1 and 2 ("0 above nan"); eval's --std took nan and inf.
+    Now parsing refuses them, before any checkpoint is read (this one does not exist)."""
+    ckpt = str(tmp_path / "absent.safetensors")
+    args = [command, "--checkpoint", ckpt, flag, *values]
+    args += ["--data", "digits"] if command == "eval" else ["a.png"]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"lgvit {command}: error: argument {flag}: {needle}"
+    )
+
+
+def test_float_flags_take_their_bounds():
+    from lgvit.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["predict", "--checkpoint", "c", "--score-thr", "0", "a"]).score_thr == 0
+    assert p.parse_args(["predict", "--checkpoint", "c", "--score-thr", "1", "a"]).score_thr == 1
+    ev = p.parse_args(["eval", "--checkpoint", "c", "--data", "digits", "--crop-pct", "1",
+                       "--std", "1e-3", "1", "2", "--mean", "-0.5", "0", "1.5"])  # fmt: skip
+    assert (ev.crop_pct, ev.std, ev.mean) == (1.0, [1e-3, 1.0, 2.0], [-0.5, 0.0, 1.5])

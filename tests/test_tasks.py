@@ -51,7 +51,8 @@ def _given(command: str, dest: str) -> list[str]:
     if f.choices:
         return [f.option, str(f.choices[0])]
     n = f.kwargs.get("nargs", 1)
-    value = {int: "3", float: "0.5"}.get(f.kwargs.get("type"), "x")
+    kind = f.kwargs.get("type")  # int, a number in a range (finite_float: 0.5 fits all) or str
+    value = "3" if kind is int else "x" if kind is None else "0.5"
     return [f.option] + [value] * n
 
 

@@ -13,6 +13,8 @@ flag is either used or refused, never ignored.
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 from typing import Any
 
 from lgvit.errors import LgvitError
@@ -46,6 +48,38 @@ class Flag:
     def choices(self) -> tuple[Any, ...] | None:
         c = self.kwargs.get("choices")
         return None if c is None else tuple(c)
+
+
+def finite_float(
+    low: float | None = None, high: float | None = None, *, low_open: bool = False
+) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number in ``[low, high]`` (``(low, high]`` with
+    ``low_open``; None: unbounded on that side). nan, inf or a value out of range is refused at
+    parsing, in argparse's error line naming the flag, the value and the range."""
+    if low is None and high is None:
+        wanted = "a finite number"
+    elif high is None:
+        wanted = f"a finite number {'>' if low_open else '>='} {low:g}"
+    else:
+        lo = "(-inf" if low is None else f"{'(' if low_open else '['}{low:g}"
+        wanted = f"a number in {lo}, {high:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a number: must be {wanted}"
+            ) from None
+        inside = math.isfinite(value) and (
+            (low is None or (value > low if low_open else value >= low))
+            and (high is None or value <= high)
+        )  # fmt: skip
+        if not inside:
+            raise argparse.ArgumentTypeError(f"{text}: must be {wanted}")
+        return value
+
+    return parse
 
 
 def task_flags(task: TaskSpec, command: str) -> tuple[Flag, ...]:

@@ -9,17 +9,19 @@ from typing import Any
 
 from lgvit.errors import LgvitError
 from lgvit.tasks import get_task
-from lgvit.tasks.flags import Flag
+from lgvit.tasks.flags import Flag, finite_float
 
 TTA_HELP = ("flip: average the logits of each image and its mirror image; flip-translate: also "
             "of the two one-pixel shifts and their mirror images (six views)")  # fmt: skip
 EVAL_FLAGS = (
     Flag("--cache-dir", help="where an image folder's decoded images are cached"),
     Flag("--img-size", type=int, help="default: the size it was trained at"),
-    Flag("--crop-pct", type=float, help="default: the model's (e.g. 0.875, 0.9)"),
+    Flag("--crop-pct", type=finite_float(0, 1, low_open=True),
+         help="in (0, 1]; default: the model's (e.g. 0.875, 0.9)"),
     Flag("--interpolation", help="bicubic | bilinear | nearest (default: the model's)"),
-    Flag("--mean", type=float, nargs=3, metavar="V", help="default: the model's"),
-    Flag("--std", type=float, nargs=3, metavar="V", help="default: the model's"),
+    Flag("--mean", type=finite_float(), nargs=3, metavar="V", help="default: the model's"),
+    Flag("--std", type=finite_float(0, low_open=True), nargs=3, metavar="V",
+         help="positive; default: the model's"),
     Flag("--class-map", help="class index per folder name: one name per line, or 'name index' "
          "lines (default: folders in natural order)"),
     Flag("--real-labels", metavar="FILE",

@@ -12,7 +12,7 @@ from PIL import Image, ImageDraw
 
 from lgvit.config import DETECTORS
 from lgvit.errors import LgvitError
-from lgvit.tasks.flags import Flag
+from lgvit.tasks.flags import Flag, finite_float
 
 # mmdet's 1x configs test without augmentation: detection takes no --tta.
 _DETECTOR = dict(choices=DETECTORS,
@@ -30,7 +30,8 @@ PREDICT_FLAGS = (
     Flag("--out", help="the folder for each image's boxes drawn (PNG) and listed (JSON) "
          "(required)"),
     Flag("--detector", **_DETECTOR),
-    Flag("--score-thr", type=float, default=0.3, help="draw boxes scoring at least this"),
+    Flag("--score-thr", type=finite_float(0, 1), default=0.3,
+         help="draw boxes scoring at least this, in [0, 1]"),
 )  # fmt: skip
 
 
