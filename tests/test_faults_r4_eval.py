@@ -148,3 +148,47 @@ def test_float_flags_take_their_bounds():
     ev = p.parse_args(["eval", "--checkpoint", "c", "--data", "digits", "--crop-pct", "1",
                        "--std", "1e-3", "1", "2", "--mean", "-0.5", "0", "1.5"])  # fmt: skip
     assert (ev.crop_pct, ev.std, ev.mean) == (1.0, [1e-3, 1.0, 2.0], [-0.5, 0.0, 1.5])
+
+
+# ------------------------------------------------ item 11: a class map with a byte-order mark
+
+BOM = b"\xef\xbb\xbf"
+
+
+@pytest.mark.parametrize("text", ["owl\ncat\ndog\n", "owl 0\ncat 1\ndog 2\n"])
+def test_a_class_map_with_a_bom_is_read(text, tmp_path, capsys):
+    """A --class-map saved by an editor with a BOM failed ("not in the class map: owl": the
+    first name read as "\\ufeffowl"); classes.txt had been given BOM handling, the class map
+    not. Both now go through one reader. Through ``lgvit eval``: the map's order is the JSON's
+    classes, the same as without the BOM."""
+    from test_eval import write_images
+
+    for i, c in enumerate(("cat", "dog", "owl")):
+        write_images(tmp_path / "d" / c, 2, seed=i, size=(20, 20))
+    torch.manual_seed(0)
+    torch.save(lgvit.create_model("lsa_micro_cifar", num_classes=3, img_size=16).state_dict(),
+               tmp_path / "m.pth")  # fmt: skip
+    results = []
+    for bom in (b"", BOM):
+        (tmp_path / "map.txt").write_bytes(bom + text.encode())
+        capsys.readouterr()
+        code = main(["eval", "--checkpoint", str(tmp_path / "m.pth"), "--model", "lsa_micro_cifar",
+                     "--img-size", "16", "--data", "imagefolder", "--data-dir", str(tmp_path / "d"),
+                     "--cache-dir", str(tmp_path / "c"), "-j", "0", "--class-map",
+                     str(tmp_path / "map.txt"), "--json"])  # fmt: skip
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        results.append(json.loads(out))
+    assert results[1]["classes"] == results[0]["classes"] == ["owl", "cat", "dog"]
+    assert results[1]["per_class_acc"] == results[0]["per_class_acc"]
+
+
+def test_a_class_map_not_utf8_is_one_line_naming_the_line(tmp_path):
+    from lgvit.data.imagefolder import load_class_map
+    from lgvit.errors import LgvitError
+
+    path = tmp_path / "map.txt"
+    path.write_bytes(BOM + b"owl\ncaf\xe9\n")
+    with pytest.raises(LgvitError) as e:
+        load_class_map(path)
+    assert str(e.value) == f"class map {path}: not UTF-8 text (byte 0xe9 at offset 10, line 2)"

@@ -140,13 +140,30 @@ def _class_dirs(split_dir: Path) -> list[str]:
     return sorted(names, key=natural_key)
 
 
+def read_text_lines(path: Path, what: str = "") -> list[str]:
+    """A text list's lines, stripped (blank ones kept: line numbers count them), for every list
+    of names lgvit reads (``--class-map``, a segfolder's ``classes.txt``): UTF-8 with or without
+    a byte-order mark (an editor's BOM is not part of the first name). A file that cannot be read
+    or is not UTF-8 is one line naming ``what`` and the file (and the offending byte's line)."""
+    where = f"{what} {path}" if what else str(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise LgvitError(f"{where}: cannot read it ({first_line(e)})") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        at = e.start + (3 if raw.startswith(b"\xef\xbb\xbf") else 0)  # e.start is past a BOM
+        line = raw[:at].count(b"\n") + 1
+        raise LgvitError(f"{where}: not UTF-8 text (byte 0x{raw[at]:02x} at offset {at}, "
+                         f"line {line})") from None  # fmt: skip
+    return [ln.strip() for ln in text.splitlines()]
+
+
 def load_class_map(path: Path) -> dict[str, int]:
     """timm's ``--class-map`` text file: one class name per line (its index is the line's), or
     ``name index`` per line. Indices must be 0 ... n-1, each once."""
-    try:
-        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise LgvitError(f"class map {path}: cannot read it ({first_line(e)})") from None
+    lines = read_text_lines(path, "class map")
     rows = [(n, ln) for n, ln in enumerate(lines, 1) if ln]
     if not rows:
         raise LgvitError(f"class map {path}: no class names in it")

@@ -117,17 +117,11 @@ def _split_dir(parent: Path, split: str) -> Path:
 def read_class_list(path: Path) -> tuple[str, ...]:
     """``classes.txt``: one class name per line (blank lines ignored), at most 255 classes;
     UTF-8, with or without a byte-order mark (an editor's BOM is not part of the first name)."""
+    from lgvit.data.imagefolder import read_text_lines
+
     if not path.is_file():
         raise LgvitError(f"{path}: not found (segfolder needs one class name per line)")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        at = e.start + (3 if raw.startswith(b"\xef\xbb\xbf") else 0)  # e.start is past a BOM
-        line = raw[:at].count(b"\n") + 1
-        raise LgvitError(f"{path}: not UTF-8 text (byte 0x{raw[at]:02x} at offset {at}, "
-                         f"line {line})") from None  # fmt: skip
-    names = tuple(line.strip() for line in text.splitlines() if line.strip())
+    names = tuple(line for line in read_text_lines(path) if line)
     if not names or len(names) > IGNORE:
         raise LgvitError(f"{path}: {len(names)} class names; 1 to {IGNORE} are possible")
     if len(set(names)) != len(names):
