@@ -1,19 +1,25 @@
 """Faults and bad input, round four: dense tasks. A segmentation pair is read in one orientation
 (as stored: an EXIF orientation tag changes neither image nor mask) in training, ``lgvit eval``
-and ``lgvit predict``."""
+and ``lgvit predict`` (2); a ``seg_scale`` or ``det_scale`` that cannot fit in memory is one
+line before any image is read (5)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import quick_init
+from det_fixtures import write_coco_set
 from PIL import Image
 from seg_fixtures import write_seg_set
 from test_dense_cli_strict import dense_checkpoint, one_line
+from test_detection import DET_TRAIN
+from test_segmentation import SEG_TRAIN
 
 from lgvit.cli import main
 from lgvit.data.segmentation import SegAugment, SegTrainLoader, load_seg_split
@@ -147,3 +153,92 @@ def test_a_mask_drawn_on_the_turned_photo_is_one_line_naming_the_orientation(
                  str(root), "-j", "0", "--amp", "none"])  # fmt: skip
     one_line(capsys, code, f"{mask}: mask is {h}x{w} but its image is {w}x{h}",
              "EXIF orientation 6", "as stored")  # fmt: skip
+
+
+# ------------------------------------------------- item 5: a scale that cannot fit in memory
+
+GB = 10**9
+
+
+@pytest.fixture
+def twenty_gb(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every device has 20 GB available (the check reads no real memory figure)."""
+    import lgvit.dense.memory as memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda device: (20 * GB, "available (test)"))
+
+
+def _no_image_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lgvit.data.coco as coco
+    import lgvit.data.segmentation as seg
+
+    def never(*args, **kwargs):
+        raise AssertionError("an image was read")
+
+    monkeypatch.setattr(seg, "read_image_rgb", never)
+    monkeypatch.setattr(coco, "read_image_rgb", never)
+
+
+@pytest.mark.parametrize("task", ["segmentation", "detection"])
+def test_a_scale_that_cannot_fit_is_one_line_before_any_image_is_read(
+    task, twenty_gb, tmp_path, capsys, monkeypatch
+):
+    """[8000, 8000] is inside the 8192 px bound; it was killed by the kernel at 22 GB with no
+    word. Now: one line naming the key, the value, the estimate, the memory available and a
+    scale that fits; nothing written."""
+    # LIT-Ti: its backward at the probe sizes costs a fraction of LSA's CIFAR model's.
+    model = "lsa_micro_cifar" if task == "segmentation" else "lit_ti"
+    if task == "segmentation":
+        key, data = "seg_scale", write_seg_set(tmp_path / "d", n_train=8, n_val=2)
+        base = [*SEG_TRAIN, "--data-dir", str(data)]
+    else:
+        key, data = "det_scale", write_coco_set(tmp_path / "d", n_train=6, n_val=2, size=(32, 48))
+        base = [*DET_TRAIN, "--data-dir", str(data), "--batch-size", "1", "--model", model]
+    _no_image_is_read(monkeypatch)
+    run = tmp_path / "run"
+    with quick_init():
+        code = main([*base, "--set", f"{key}=[8000,8000]", "--epochs", "1", "--out", str(run)])
+    line = one_line(capsys, code, f"{key}=(8000, 8000) needs at least ", model,
+                    "but 20.0 GB is available (test); lower " + key)  # fmt: skip
+    need = float(re.search(r"needs at least ([\d.]+) GB", line)[1])
+    assert need > 20
+    assert not run.exists()
+    # The scale it suggests passes the same check.
+    smaller = re.search(rf"--set {key}=\[(\d+),(\d+)\]", line)
+    assert smaller is not None and int(smaller[1]) < 8000, line
+    _check(task, None, [(1, "none")], model, **{key: (int(smaller[1]), int(smaller[2]))})
+
+
+def _check(
+    task: str, config: str | None, runs: list[tuple[int, str]], model: str = "", **scale: tuple
+) -> None:
+    """The task's memory check of a shipped ``config`` (or ``model``'s with ``scale``) at each
+    (batch size, amp) of ``runs``, on one freshly built model (quick initialisation)."""
+    from lgvit.config import load_config
+    from lgvit.runtime import Dist
+
+    if config is None:
+        data = "segfolder" if task == "segmentation" else "coco"
+        sets = [f"task={task}", f"data={data}", f"model={model}", "img_size=32"]
+        sets += [f"{k}=[{v[0]},{v[1]}]" for k, v in scale.items()]
+        cfg = load_config(None, sets)
+    else:
+        cfg = load_config(config)
+    from lgvit.tasks.detection.train import build_detector, check_det_scale_memory
+    from lgvit.tasks.segmentation.train import build_segmenter, check_seg_scale_memory
+
+    with quick_init():
+        if task == "segmentation":
+            net, check = build_segmenter(cfg, 150, Dist())[0], check_seg_scale_memory
+        else:
+            net, check = build_detector(cfg, 80), check_det_scale_memory
+    for cfg.batch_size, cfg.amp in runs:
+        check(cfg, net, Dist())
+
+
+@pytest.mark.parametrize("config", ["ade20k_semfpn_lit_ti", "coco_maskrcnn_lit_ti"])
+def test_the_shipped_scales_fit_in_20_gb(config, twenty_gb):
+    """The recipes' scales at their batch of 16 (Mask R-CNN on LIT-Ti estimates the most of
+    the shipped configs: 10.7 GB) and at batch 2 in float32 are not refused."""
+    task = "segmentation" if config.startswith("ade20k") else "detection"
+    _check(task, config, [(16, "auto"), (2, "none")])

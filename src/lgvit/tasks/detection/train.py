@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from lgvit.config import TrainConfig
+from lgvit.data.segmentation import rescale_size
 from lgvit.engine import Prepared
 from lgvit.errors import LgvitError, first_line
 from lgvit.models import is_model
@@ -49,6 +50,47 @@ def build_detector(cfg: TrainConfig, num_classes: int) -> nn.Module:
     except (ValueError, RuntimeError) as e:
         raise LgvitError(f"{cfg.detector} on {cfg.model}: {first_line(e)}") from None
     return model.train()
+
+
+def check_det_scale_memory(cfg: TrainConfig, model: nn.Module, d: Dist) -> None:
+    """Refuse, in one line, a ``det_scale`` whose training batch (``batch_size`` 4:3 images
+    resized to the scale and padded, forward and backward through the backbone and its FPN
+    alone, on the run's device) needs more memory than is available
+    (:mod:`lgvit.dense.memory`)."""
+    from lgvit.dense.memory import PHOTO_HW, Need, check_scale_fits, measure_secant, small_enough
+
+    def padded(scale: tuple[int, int]) -> tuple[int, int]:  # the transform pads to 32
+        h, w = rescale_size(PHOTO_HW, scale)
+        return -(-h // 32) * 32, -(-w // 32) * 32
+
+    b, (h, w) = cfg.batch_size, padded(cfg.det_scale)
+    if small_enough(b * h * w):
+        return
+    backbone = model.backbone
+
+    def step(s: int) -> None:
+        # Eval mode (no drop path: no random draws) with gradients: the activations training
+        # keeps for the backward pass (fewer where activation checkpointing is on), then it.
+        # The backbone only: the heads' memory depends on the detections a random model makes.
+        out = backbone(torch.zeros(1, 3, s, s))
+        sum(o.sum() for o in out.values()).backward()
+
+    backbone.eval()
+    try:
+        fwd_bwd = measure_secant(step)
+    finally:
+        backbone.train()
+        for p in backbone.parameters():
+            p.grad = None
+    half = 1.0 if cfg.amp == "none" else 0.5  # 16-bit activations at the least
+
+    def needs(scale: tuple[int, int]) -> list[Need]:
+        h, w = padded(scale)
+        return [Need(half * fwd_bwd(h * w, b), d.device, f"{cfg.detector} on {cfg.model}: "
+                     f"its backbone alone, training on a batch of {b} images of {w}x{h} "
+                     "(4:3)")]  # fmt: skip
+
+    check_scale_fits("det_scale", cfg.det_scale, needs)
 
 
 def detection_loss(losses: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -92,6 +134,7 @@ class DetectionTask:
             require_masks(train)
             require_masks(self.val)
         model = build_detector(cfg, n)
+        check_det_scale_memory(cfg, model, d)
         self.label_offset = 1 if masks else 0
         train_loader = DetTrainLoader(train, cfg.batch_size, cfg.seed, d.rank, d.world_size,
                                       cfg.workers, with_masks=masks,

@@ -23,6 +23,8 @@ from lgvit.data.segmentation import (
     SegEvalLoader,
     SegTrainLoader,
     load_seg_split,
+    rescale_size,
+    resize_pair,
 )
 from lgvit.engine import Prepared
 from lgvit.errors import LgvitError, first_line
@@ -61,6 +63,44 @@ def build_segmenter(cfg: TrainConfig, num_classes: int, d: Dist) -> tuple[nn.Mod
     return model, crop
 
 
+def check_seg_scale_memory(cfg: TrainConfig, model: nn.Module, d: Dist) -> None:
+    """Refuse, in one line, a ``seg_scale`` whose evaluation forward (a whole 4:3 image at the
+    scale, on the run's device) or training resize (one image at the largest ratio, in a
+    loader process) needs more memory than is available (:mod:`lgvit.dense.memory`)."""
+    from lgvit.dense import memory
+
+    ratio = max(cfg.seg_ratio_range)
+
+    def sizes(scale: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The eval image's (H, W) and the largest training resize's, as the pipelines do."""
+        train = (int(scale[0] * ratio), int(scale[1] * ratio))
+        return rescale_size(memory.PHOTO_HW, scale), rescale_size(memory.PHOTO_HW, train)
+
+    if all(memory.small_enough(h * w) for h, w in sizes(cfg.seg_scale)):
+        return
+    model.eval()
+    with torch.no_grad():
+        forward = memory.measure_secant(lambda s: model(torch.zeros(1, 3, s, s)))
+    model.train()
+    # resize_pair's bytes per output pixel (float32 image, its rounded and clamped copies, the
+    # mask as float32 and int64: 36), measured so that it follows the code.
+    side = 128
+    image, mask = torch.zeros(3, 4, 4, dtype=torch.uint8), torch.zeros(4, 4, dtype=torch.long)
+    resize = memory.peak_bytes(lambda: resize_pair(image, mask, (side, side))) / side**2
+    half = 1.0 if cfg.amp == "none" else 0.5  # 16-bit activations at the least
+
+    def needs(scale: tuple[int, int]) -> list[memory.Need]:
+        (h, w), (th, tw) = sizes(scale)
+        return [
+            memory.Need(half * forward(h * w), d.device,
+                        f"Semantic FPN on {cfg.model} evaluating a 4:3 image at {w}x{h}"),
+            memory.Need(resize * th * tw, torch.device("cpu"),
+                        f"resizing a 4:3 training image to {tw}x{th} at ratio {ratio:g}"),
+        ]  # fmt: skip
+
+    memory.check_scale_fits("seg_scale", cfg.seg_scale, needs)
+
+
 @dataclass
 class SegmentationTask:
     """Semantic segmentation (:class:`lgvit.engine.Task`)."""
@@ -90,6 +130,7 @@ class SegmentationTask:
                 f"num_classes={cfg.num_classes} but {cfg.data} has {self.num_classes} classes"
             )
         model, crop = build_segmenter(cfg, self.num_classes, d)
+        check_seg_scale_memory(cfg, model, d)
         pcfg = get_model_config(cfg.model)
         self.mean, self.std = tuple(pcfg.mean), tuple(pcfg.std)
         aug = SegAugment(crop=crop, scale=cfg.seg_scale, ratio_range=cfg.seg_ratio_range,
