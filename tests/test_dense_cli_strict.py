@@ -287,7 +287,7 @@ def test_flags_dense_eval_cannot_honour_are_one_line(seg_root, coco_root, tmp_pa
     one_line(capsys, code, "--tta flip-translate", "--tta flip")
     code = main(["eval", "--checkpoint", str(det), "--data", "coco", "--data-dir",
                  str(coco_root), "-j", "0", "--tta", "flip"])  # fmt: skip
-    one_line(capsys, code, "--tta:", "detection eval does not take --tta")
+    one_line(capsys, code, "--tta flip:", "detection eval takes --tta none")
     assert not csv.exists()
     for task, data, tta in (("detection", "coco", "flip"),
                             ("segmentation", "segfolder", "flip-translate")):  # fmt: skip

@@ -192,3 +192,105 @@ def test_a_class_map_not_utf8_is_one_line_naming_the_line(tmp_path):
     with pytest.raises(LgvitError) as e:
         load_class_map(path)
     assert str(e.value) == f"class map {path}: not UTF-8 text (byte 0xe9 at offset 10, line 2)"
+
+
+# ------------------------------------------------------- item 15 (parts): eval and predict
+
+
+def test_every_task_takes_tta_none_and_declares_its_own_modes():
+    """``det eval --tta none`` was refused (detection declared no --tta): "none", the no-TTA
+    default, is every task's; each task's --tta choices are its TaskSpec's ``eval_tta``."""
+    from lgvit.tasks import TASKS
+    from lgvit.tasks.flags import task_flags
+
+    for t in TASKS.values():
+        (tta,) = [f for f in task_flags(t, "eval") if f.dest == "tta"]
+        assert tta.choices == t.eval_tta and "none" in t.eval_tta and tta.default == "none"
+
+
+def test_detection_eval_takes_tta_none(ckpts, data, capsys):
+    args = _eval_args("detection", ckpts, data)
+    capsys.readouterr()
+    assert main([*args, "--tta", "none", "--json"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["tta"] == "none"
+    assert main([*args, "--tta", "flip"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["lgvit eval: error: --tta flip: detection eval takes --tta none"], err
+
+
+def test_a_flag_of_other_tasks_names_them_in_good_grammar(ckpts, tmp_path, capsys):
+    """The refusal read "(classification and detection eval does)"; each reader is named with
+    the command and the verb agrees with their number."""
+    ckpt = str(ckpts["classification"])
+    base = ["predict", "--checkpoint", ckpt, "--model", "lsa_micro_cifar", "a.png"]
+    capsys.readouterr()
+    assert main([*base, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("does not take --out (segmentation predict and detection predict do)")
+    assert main([*base, "--score-thr", "0.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("does not take --score-thr (detection predict does)"), err
+
+
+def _predict_args(task: str, ckpts: dict[str, Path], tmp_path: Path) -> list[str]:
+    args = ["predict", "--checkpoint", str(ckpts[task]), "--json"]
+    if task == "classification":
+        return [*args, "--model", "lsa_micro_cifar", "--img-size", "16"]
+    return [*args, "--out", str(tmp_path / "out")]
+
+
+@pytest.mark.parametrize("task", ["classification", "segmentation", "detection"])
+def test_predict_skips_a_lone_unreadable_image_and_exits_1(task, ckpts, tmp_path, capsys):
+    """One unreadable image (and nothing else) ended as exit 2 "error", where the docs say an
+    unreadable file is skipped with a line and the exit status is 1: now it is, for every task.
+    """
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    capsys.readouterr()
+    assert main([*_predict_args(task, ckpts, tmp_path), str(broken)]) == 1
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [
+        f"lgvit predict: skipped: {broken}: not a readable image (empty, truncated or not an image)"
+    ]
+    assert json.loads(out) == []
+
+
+@pytest.mark.parametrize("how", ["chmod", "mock"])
+def test_an_image_without_read_permission_is_skipped_as_permission_denied(
+    how, ckpts, tmp_path, capsys, monkeypatch
+):
+    """A file without read permission was "not a readable image (empty, truncated or not an
+    image)". ``chmod`` needs a user who is not root (root reads anything); ``mock`` makes
+    opening it raise PermissionError, so the test runs as root too."""
+    import errno
+    import os
+
+    from PIL import Image
+
+    good, locked = tmp_path / "good.png", tmp_path / "locked.png"
+    for p in (good, locked):
+        Image.new("RGB", (20, 20), (10, 200, 30)).save(p)
+    if how == "chmod":
+        if os.geteuid() == 0:
+            pytest.skip("root reads a file without read permission")
+        locked.chmod(0)
+    else:
+        real_open = Image.open
+
+        def refusing_open(fp, *a, **k):  # noqa: ANN001, ANN002, ANN003
+            if str(fp) == str(locked):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(fp))
+            return real_open(fp, *a, **k)
+
+        monkeypatch.setattr(Image, "open", refusing_open)
+    capsys.readouterr()
+    try:
+        code = main([*_predict_args("classification", ckpts, tmp_path), str(good), str(locked)])
+    finally:
+        locked.chmod(0o644)
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert err.strip().splitlines() == [
+        f"lgvit predict: skipped: {locked}: cannot read it (permission denied)"
+    ]
+    assert [r["image"] for r in json.loads(out)] == [str(good)]

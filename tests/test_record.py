@@ -284,8 +284,11 @@ def test_a_dense_checkpoint_written_before_the_record_loads_unchanged(task, tmp_
 
     assert _header(tmp_path / "new_run" / "last") == _header(tmp_path / "old_run" / "last")
     assert set(_header(tmp_path / "old_run" / "last")) == {*META[task], "format"}
-    assert json.loads(new[0]) == json.loads(old[0])  # eval: every metric
+    new_eval, old_eval = json.loads(new[0]), json.loads(old[0])
+    assert {k: new_eval[k] for k in old_eval} == old_eval  # eval: every metric
+    assert set(new_eval) - set(old_eval) <= {"precision", "tta"}  # said since that commit
     old_pred, new_pred = json.loads(old[1]), json.loads(new[1].replace("new_pred", "old_pred"))
+    assert [r.pop("precision") for r in new_pred] == ["fp32"] * len(old_pred)
     assert new_pred == old_pred
     if task == "segmentation":  # the same mask, pixel for pixel
         files = [Path(old_pred[0]["mask"]), tmp_path / "new_pred" / Path(old_pred[0]["mask"]).name]

@@ -296,23 +296,20 @@ def report_predictions(
     line: Callable[[dict[str, Any]], str],
     precision: str,
 ) -> int:
-    """``lgvit predict``'s ending: every unreadable image a line on stderr (all unreadable:
-    the first as the error), the results as JSON (each with its ``precision``) or
+    """``lgvit predict``'s ending: every unreadable image a line on stderr (skipped, also when
+    no image was readable), the results as JSON (each with its ``precision``) or
     ``line(result)`` each after a line naming the ``precision`` that ran; exit status 1 when
     an image was skipped."""
     import json
     import sys
 
-    if failed and not results:
-        more = f" (and {len(failed) - 1} more unreadable)" if len(failed) > 1 else ""
-        raise LgvitError(failed[0] + more)
     for msg in failed:
         print(f"lgvit predict: skipped: {msg}", file=sys.stderr)
     for r in results:
         r["precision"] = precision
     if as_json:
         print(json.dumps(results, indent=2))
-    else:
+    elif results:
         print(f"precision: {precision}")
         for r in results:
             print(line(r))

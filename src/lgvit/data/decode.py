@@ -181,7 +181,10 @@ def read_image_rgb(path: str | os.PathLike, upright: bool = True) -> torch.Tenso
         arr = np.asarray(load_rgb(str(path), upright), dtype=np.uint8)
     except _Refused as e:
         raise LgvitError(f"{path}: {e}") from None
-    except Exception:  # PIL raises many types for corrupt files
+    except Exception as e:  # PIL raises many types for corrupt files
+        if isinstance(e, OSError) and e.errno is not None:  # the system's error, not PIL's
+            why = "permission denied" if isinstance(e, PermissionError) else e.strerror
+            raise LgvitError(f"{path}: cannot read it ({why})") from None
         raise LgvitError(
             f"{path}: not a readable image (empty, truncated or not an image)"
         ) from None

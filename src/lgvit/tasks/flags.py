@@ -128,12 +128,14 @@ def apply_task_flags(args: argparse.Namespace, task: TaskSpec, command: str) -> 
     for dest, decls in _declarations(command).items():
         if dest in own or dest not in vars(args):
             continue
-        readers = " and ".join(t for t, _ in decls)
+        readers = [f"{t} {command}" for t, _ in decls]
+        verb = "does" if len(readers) == 1 else "do"
         option = decls[0][1].option
         hint = getattr(task.module("cli"), "REFUSAL_HINTS", {}).get((command, dest), "")
         raise LgvitError(
             f"{option}: {args.checkpoint} is a {task.name} checkpoint and {task.name} {command} "
-            f"does not take {option} ({readers} {command} does){'; ' + hint if hint else ''}"
+            f"does not take {option} ({' and '.join(readers)} {verb})"
+            f"{'; ' + hint if hint else ''}"
         )
     for dest, f in own.items():
         if dest not in vars(args):

@@ -30,7 +30,7 @@ EVAL_FLAGS = (
          help="a CSV: image, label, top-5 classes and probabilities"),
     Flag("--batch-size", type=int, default=128, help="images per batch"),
     Flag("-j", "--workers", type=int, default=2, help="decoding processes for an image folder"),
-    Flag("--tta", choices=("none", "flip", "flip-translate"), default="none", help=TTA_HELP),
+    Flag("--tta", choices=get_task("classification").eval_tta, default="none", help=TTA_HELP),
     Flag("--any-classes", action="store_true",
          help="evaluate even if the checkpoint's class names differ from the data's"),
     Flag("--compile", action="store_true", help="torch.compile the model (the first batch "

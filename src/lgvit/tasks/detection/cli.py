@@ -12,9 +12,9 @@ from PIL import Image, ImageDraw
 
 from lgvit.config import DETECTORS
 from lgvit.errors import LgvitError
+from lgvit.tasks import get_task
 from lgvit.tasks.flags import Flag, finite_float
 
-# mmdet's 1x configs test without augmentation: detection takes no --tta.
 _DETECTOR = dict(choices=DETECTORS,
                  help="the detector of an authors' mmdet .pth (with --model)")  # fmt: skip
 EVAL_FLAGS = (
@@ -23,6 +23,9 @@ EVAL_FLAGS = (
     Flag("--predictions", metavar="FILE",
          help="the detections in COCO's results format (JSON; masks in FILE.segm.json)"),
     Flag("--detector", **_DETECTOR),
+    # mmdet's 1x configs test without augmentation: "none" only, the other tasks' default.
+    Flag("--tta", choices=get_task("detection").eval_tta, default="none",
+         help="none: no test-time augmentation (mmdet's 1x test)"),
     Flag("--any-classes", action="store_true",
          help="evaluate even if the checkpoint's category ids differ from the data's"),
 )  # fmt: skip
@@ -84,7 +87,8 @@ def run_eval(args: argparse.Namespace) -> int:
             atomic_write_bytes(segm, json.dumps(results["segm"]).encode())
             res["predictions_segm"] = str(segm)
     res.update(checkpoint=str(args.checkpoint), data=args.data, images=len(split),
-               annotations=str(split.ann_file), precision=precision_name(amp))  # fmt: skip
+               annotations=str(split.ann_file), precision=precision_name(amp),
+               tta=args.tta)  # fmt: skip
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
