@@ -191,7 +191,11 @@ def test_train_eval_predict_plot(tmp_path):
     assert len(top) == 5 and abs(sum(p for _, p in top)) <= 1.0 + 1e-6
     bad = tmp_path / "bad.jpg"
     bad.write_bytes(b"")
-    one_line_error(lgvit("predict", "--checkpoint", str(run / "last"), str(bad)), "bad.jpg")
+    skipped = lgvit("predict", "--checkpoint", str(run / "last"), str(bad))
+    assert skipped.returncode == 1, skipped.stderr  # skipped, as every unreadable image is
+    assert skipped.stderr.strip().splitlines() == [
+        f"lgvit predict: skipped: {bad}: not a readable image (empty, truncated or not an image)"
+    ]
 
     pl = lgvit("plot", str(run))
     assert pl.returncode == 0, pl.stderr
