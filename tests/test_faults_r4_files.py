@@ -67,6 +67,7 @@ def test_released_weights_holding_code_are_refused_not_run_not_kept(served, tmp_
     assert "\n" not in text and f"{server.base}/{SMALL.filename}" in text
     assert "holds code that would run" in text and f"system('touch {marker}')" in text
     assert not marker.exists() and _left(cache) == []  # not run, no file, no record
+    assert "copy it to" not in text  # a copy in the cache would be refused in turn
     # The command says the same in one line.
     assert main(["weights", "download", SMALL.name]) != 0
     err = capsys.readouterr().err.strip().splitlines()[-1]

@@ -129,7 +129,9 @@ def fetch(
         try:
             sha = _download(url, tmp, dest.name, hint)
             _check_hash(w, dest, sha, url)
-            built = _verify(verify, tmp, url, f"the download was not kept; {hint}")
+            built = _verify(
+                verify, tmp, url, f"the download was not kept; {hint}", "the download was not kept"
+            )  # copying it in would be refused too
             commit(tmp, dest)
         finally:
             with contextlib.suppress(OSError):
@@ -189,10 +191,12 @@ def _check_hash(w: Weights, dest: Path, sha: str, url: str) -> None:
         )
 
 
-def _verify(verify: Callable[[Path], Any], path: Path, where: str, after: str) -> Any:
+def _verify(
+    verify: Callable[[Path], Any], path: Path, where: str, after: str, code_after: str = ""
+) -> Any:
     """``verify(path)``; a failure is one line naming ``where`` (the URL, not the temp file).
     A file whose pickle would run code is refused: it is not the authors' file, whatever it
-    holds beside."""
+    holds beside (``code_after``: what follows then, where ``after``'s advice would not do)."""
     try:
         with quiet_left_out():
             warnings.simplefilter("error", PickledCodeWarning)  # raised where it is found
@@ -200,7 +204,7 @@ def _verify(verify: Callable[[Path], Any], path: Path, where: str, after: str) -
     except PickledCodeWarning as e:
         raise LgvitError(f"{where}: refused: the file holds code that would run when loaded "
                          f"({e.shown}), which lgvit did not run; released weights hold none "
-                         f"({after})") from None  # fmt: skip
+                         f"({code_after or after})") from None  # fmt: skip
     except LgvitError as e:
         raise LgvitError(f"{str(e).replace(str(path), where)} ({after})") from None
     except (RuntimeError, ValueError, KeyError, IndexError) as e:  # a layout the mapping rejects
