@@ -2,6 +2,7 @@
 
 from lgvit.errors import LgvitError
 from lgvit.models import create_model, get_model_config, list_models, register_model
+from lgvit.runtime import tune_cpu_allocator
 
 __version__ = "0.1.0"
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "get_model_config",
     "list_models",
     "register_model",
+    "tune_cpu_allocator",
     "__version__",
 ]
 

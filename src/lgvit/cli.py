@@ -520,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lgvit {args.command}: warning: {message}", file=sys.stderr)
 
     warnings.showwarning = one_line_warning  # warnings are one line too, without source lines
-    if args.command in ("train", "eval", "predict", "bench"):
+    if args.command in ("train", "eval", "predict", "bench", "export", "viz"):  # they run models
         from lgvit.runtime import tune_cpu_allocator
 
         tune_cpu_allocator()  # large activations reuse heap memory (see lgvit.runtime)

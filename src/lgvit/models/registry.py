@@ -19,7 +19,6 @@ import torch.nn as nn
 
 from lgvit.constants import CIFAR10_MEAN, CIFAR10_STD, CROP_PCT, IMAGENET_MEAN, IMAGENET_STD
 from lgvit.errors import LgvitError, error_lines, first_line
-from lgvit.runtime import tune_cpu_allocator
 
 if TYPE_CHECKING:
     from lgvit.record import CheckpointRecord
@@ -220,7 +219,6 @@ def create_model(
         pretrained_cfg_overlay: timm's; ``dict(file=PATH)`` with ``pretrained=True`` loads PATH.
         overrides: architecture arguments (``img_size=64``, ``drop_path_rate=0.2``, ...).
     """
-    tune_cpu_allocator()  # once: 1.2-1.3x on a CPU (lgvit.runtime); LGVIT_DEFAULT_MALLOC=1: off
     if num_classes is not None:  # the caller's own arguments: named as theirs
         _check_num_classes(num_classes)
     _check_img_size(overrides.get("img_size"))

@@ -1,0 +1,52 @@
+"""Each layer stays in its place: a model constructor leaves the process alone (the commands
+tune the allocator), and the data layer takes plain values rather than the run's config."""
+
+from __future__ import annotations
+
+import pytest
+
+import lgvit
+import lgvit.cli as cli
+import lgvit.runtime as runtime
+
+
+@pytest.fixture
+def mallopt_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Every glibc mallopt call the process makes from here on (none really made)."""
+    calls: list[tuple[int, int]] = []
+
+    class FakeLibc:
+        def mallopt(self, param: int, value: int) -> int:
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.delenv("LGVIT_DEFAULT_MALLOC", raising=False)
+    monkeypatch.setattr(runtime, "_done", False)
+    monkeypatch.setattr(runtime.sys, "platform", "linux")
+    monkeypatch.setattr(runtime.ctypes, "CDLL", lambda name: FakeLibc())
+    return calls
+
+
+def test_create_model_leaves_the_allocator_alone(mallopt_calls):
+    lgvit.create_model("lsa_micro_cifar", num_classes=10)
+    assert mallopt_calls == []
+    assert lgvit.tune_cpu_allocator() is True  # the documented call for library users
+    assert len(mallopt_calls) == 2  # the mmap and trim thresholds
+
+
+COMMANDS = {  # the commands that run a model, each with its required arguments
+    "train": ["train"],
+    "eval": ["eval", "--checkpoint", "x", "--data", "cifar10"],
+    "predict": ["predict", "--checkpoint", "x", "img.png"],
+    "bench": ["bench"],
+    "export": ["export", "x", "--format", "onnx"],
+    "viz": ["viz", "x", "img.png", "--what", "attention"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_each_model_command_tunes_the_allocator_once(command, mallopt_calls, monkeypatch):
+    seen: list[int] = []  # mallopt calls made before the command ran
+    monkeypatch.setattr(cli, f"cmd_{command}", lambda args: seen.append(len(mallopt_calls)) or 0)
+    assert cli.main(COMMANDS[command]) == 0
+    assert seen == [2] and len(mallopt_calls) == 2
