@@ -90,6 +90,31 @@ def test_import_lgvit_leaves_the_compiler_unimported():
     assert out.stdout.strip() == "False"
 
 
+# Imports point down: a layer never imports one above it (lazily inside a function neither).
+RUN = ("lgvit.engine", "lgvit.optim", "lgvit.preempt", "lgvit.rundir", "lgvit.config")
+APPLICATION = ("lgvit.tasks", *RUN, "lgvit.cli")
+LAYER_RULES = {  # a layer's package -> what it may not import (a module or its package)
+    "lgvit.data": APPLICATION,
+}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+@pytest.mark.parametrize("layer", sorted(LAYER_RULES))
+def test_imports_point_down(layer):
+    graph = _graph()
+    wrong = sorted(
+        f"{m} imports {n}"
+        for m in graph
+        if _within(m, layer)
+        for n in graph[m]
+        if any(_within(n, above) for above in LAYER_RULES[layer])
+    )
+    assert not wrong, wrong
+
+
 TRAINING = {"lgvit.engine", "lgvit.optim", "lgvit.tasks.run"} | {
     m for m in MODULES if m.startswith("lgvit.tasks.") and m.endswith(".train")
 }

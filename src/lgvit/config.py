@@ -29,6 +29,8 @@ from lgvit.atomic import atomic_write_bytes
 from lgvit.constants import CROP_PCT, MAX_DENSE_SCALE
 from lgvit.data.coco import COCO_DATASETS
 from lgvit.data.datasets import DATASETS
+from lgvit.data.recipe import DEIT_RECIPE as _R
+from lgvit.data.recipe import RE_MODES, TRAIN_CROPS
 from lgvit.data.segmentation import SEG_DATASETS
 from lgvit.errors import LgvitError, first_line
 from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES, TASKS, get_task
@@ -55,8 +57,6 @@ __all__ = [
 ]
 
 AMP_MODES = ("auto", "bf16", "fp16", "none")
-TRAIN_CROPS = ("random_crop", "random_resized_crop", "none")
-RE_MODES = ("pixel", "rand", "const")  # random erasing fill, as in timm
 OPTIMIZERS = ("adamw", "sgd", "lamb")
 SCHEDULES = ("cosine", "linear", "step", "poly", "none")
 DETECTORS = ("retinanet", "maskrcnn")
@@ -105,18 +105,20 @@ class TrainConfig:
     decay_milestones: tuple[float, ...] = ()  # step: decay after these epochs instead (mmdet)
     no_decay_keys: tuple[str, ...] = ()  # detection: no weight decay where a name holds one
     # augmentation (DeiT)
-    train_crop: str = "random_crop"  # random_crop | random_resized_crop | none
-    crop_padding: int = 4  # random_crop's zero padding (CIFAR recipe: 4)
-    hflip: bool = True  # random horizontal flip
-    alternate_flip: bool = False  # with hflip: each image mirrored in every other epoch (airbench)
-    rand_augment: str | None = "rand-m9-mstd0.5-inc1"  # timm RandAugment spec (None: off)
-    mixup: float = 0.8  # mixup alpha (0: off)
-    cutmix: float = 1.0  # cutmix alpha (0: off)
-    mixup_switch_prob: float = 0.5  # chance of cutmix instead of mixup when both are on
-    mixup_prob: float = 1.0  # chance a batch is mixed at all
-    label_smoothing: float = 0.1  # label smoothing of the targets
-    reprob: float = 0.25  # random erasing probability
-    remode: str = "pixel"  # random erasing fill: pixel | rand | const
+    train_crop: str = _R["train_crop"]  # random_crop | random_resized_crop | none
+    crop_padding: int = _R["crop_padding"]  # random_crop's zero padding (CIFAR recipe: 4)
+    hflip: bool = _R["hflip"]  # random horizontal flip
+    # with hflip: each image mirrored in every other epoch (airbench)
+    alternate_flip: bool = _R["alternate_flip"]
+    rand_augment: str | None = _R["rand_augment"]  # timm RandAugment spec (None: off)
+    mixup: float = _R["mixup"]  # mixup alpha (0: off)
+    cutmix: float = _R["cutmix"]  # cutmix alpha (0: off)
+    # chance of cutmix instead of mixup when both are on
+    mixup_switch_prob: float = _R["mixup_switch_prob"]
+    mixup_prob: float = _R["mixup_prob"]  # chance a batch is mixed at all
+    label_smoothing: float = _R["label_smoothing"]  # label smoothing of the targets
+    reprob: float = _R["reprob"]  # random erasing probability
+    remode: str = _R["remode"]  # random erasing fill: pixel | rand | const
     repeated_aug: int = 1  # repeated augmentation count (DeiT RASampler; 1: off)
     crop_pct: float = CROP_PCT  # eval: resize to size / crop_pct, then centre crop
     # segmentation (mmseg's ADE20K pipeline; img_size is the crop)
@@ -164,11 +166,14 @@ def config_help() -> list[tuple[str, str, str]]:
     the key's line in :class:`TrainConfig` (one source of truth for ``lgvit train --help``)."""
     import inspect
 
-    meaning = {}
+    meaning, above = {}, ""
     for line in inspect.getsource(TrainConfig).splitlines():
         name, sep, rest = line.strip().partition(":")
-        if sep and name.isidentifier() and "#" in rest:
-            meaning[name] = rest.split("#", 1)[1].strip()
+        if line.strip().startswith("#"):
+            above = line.strip()[1:].strip()  # a key too long for its comment has it above
+        elif sep and name.isidentifier():
+            meaning[name] = rest.split("#", 1)[1].strip() if "#" in rest else above
+            above = ""
     return [
         (f.name, repr(f.default), meaning.get(f.name, "")) for f in dataclasses.fields(TrainConfig)
     ]

@@ -8,7 +8,6 @@ multi-process runs see the same data as a torch ``DataLoader`` setup would.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Iterator
@@ -18,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lgvit.config import RE_MODES, TRAIN_CROPS, TrainConfig
-from lgvit.constants import IMAGENET_MEAN, IMAGENET_STD
+from lgvit.constants import CROP_PCT, IMAGENET_MEAN, IMAGENET_STD
+from lgvit.data.recipe import DEIT_RECIPE, RE_MODES, TRAIN_CROPS
 from lgvit.data.transforms import (
     INTERPOLATIONS,
     mean_to_fill,
@@ -36,12 +35,10 @@ from lgvit.errors import LgvitError
 
 __all__ = ["AugmentConfig", "BatchLoader", "BatchRecipe", "parse_rand_augment"]
 
-_TRAIN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-
 
 def _recipe(key: str) -> Any:
-    """TrainConfig's default for ``key``: the DeiT recipe is declared once, there."""
-    return _TRAIN_DEFAULTS[key]
+    """The DeiT recipe's default for ``key`` (declared once, in lgvit.data.recipe)."""
+    return DEIT_RECIPE[key]
 
 
 @dataclass
@@ -69,7 +66,7 @@ class AugmentConfig:
     label_smoothing: float = _recipe("label_smoothing")
     reprob: float = _recipe("reprob")
     remode: str = _recipe("remode")
-    crop_pct: float = _recipe("crop_pct")
+    crop_pct: float = CROP_PCT
     interpolation: str = "bicubic"  # of the eval resize (timm's ``interpolation``)
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
