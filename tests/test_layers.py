@@ -50,3 +50,21 @@ def test_each_model_command_tunes_the_allocator_once(command, mallopt_calls, mon
     monkeypatch.setattr(cli, f"cmd_{command}", lambda args: seen.append(len(mallopt_calls)) or 0)
     assert cli.main(COMMANDS[command]) == 0
     assert seen == [2] and len(mallopt_calls) == 2
+
+
+def test_the_model_zoo_names_every_task_its_files_serve():
+    # models/weights.py words "load them with ..." for each task without importing the tasks
+    from lgvit.models.weights import LOADS_RELEASED, WEIGHTS
+    from lgvit.tasks import DEFAULT_TASK, TASK_NAMES
+
+    assert sorted(LOADS_RELEASED) == sorted(TASK_NAMES)
+    assert {w.task for w in WEIGHTS} <= set(TASK_NAMES) and DEFAULT_TASK in LOADS_RELEASED
+
+
+def test_weights_of_another_task_name_their_builder():
+    from lgvit.errors import LgvitError
+    from lgvit.models.weights import WEIGHTS, resolve_weights
+
+    seg = next(w for w in WEIGHTS if w.task == "segmentation")
+    with pytest.raises(LgvitError, match=rf"load them with create_segmenter\('{seg.model}', "):
+        resolve_weights(seg.name)

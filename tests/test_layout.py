@@ -95,6 +95,7 @@ RUN = ("lgvit.engine", "lgvit.optim", "lgvit.preempt", "lgvit.rundir", "lgvit.co
 APPLICATION = ("lgvit.tasks", *RUN, "lgvit.cli")
 LAYER_RULES = {  # a layer's package -> what it may not import (a module or its package)
     "lgvit.data": APPLICATION,
+    "lgvit.models": APPLICATION,  # the model zoo words its messages without the tasks
 }
 
 

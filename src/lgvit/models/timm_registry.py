@@ -57,12 +57,11 @@ def timm_default_cfgs(names: list[str]) -> dict[str, Any]:
     (:mod:`lgvit.models.weights`; the first is the default), else the untagged config."""
     from timm.models import generate_default_cfgs
 
-    from lgvit.models.weights import weights_of
-    from lgvit.tasks import get_task
+    from lgvit.models.weights import CLASSIFICATION, weights_of
 
     cfgs: dict[str, dict[str, Any]] = {}
     for n in names:
-        released = [w for w in weights_of(n) if not get_task(w.task).dense]
+        released = [w for w in weights_of(n) if w.task == CLASSIFICATION]
         for w in released:
             cfgs[w.name] = {**timm_pretrained_cfg(n), **w.pretrained_cfg()}
         if not released:

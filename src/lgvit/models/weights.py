@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lgvit.errors import LgvitError
-from lgvit.tasks import DEFAULT_TASK, get_task
 
 __all__ = [
     "Weights",
@@ -30,6 +29,15 @@ __all__ = [
     "resolve_weights",
     "split_tag",
 ]
+
+# The tasks released files serve and the call that builds a model with each one's weights (for
+# messages): the model zoo's own words, so that it imports nothing of the tasks that train them.
+CLASSIFICATION = "classification"
+LOADS_RELEASED = {
+    CLASSIFICATION: "create_model('{name}', pretrained=True)",
+    "segmentation": "create_segmenter('{model}', pretrained=True)",
+    "detection": "create_detector('{detector}', '{model}', pretrained=True)",
+}
 
 
 _LIT = dict(
@@ -65,7 +73,7 @@ class Weights:
     model: str
     tag: str
     url: str
-    task: str = DEFAULT_TASK  # a name of lgvit.tasks
+    task: str = CLASSIFICATION  # a key of LOADS_RELEASED (a name of lgvit.tasks)
     detector: str | None = None  # retinanet | maskrcnn, for task "detection"
     dataset: str = "imagenet"
     num_classes: int = 1000
@@ -180,7 +188,7 @@ def weights_of(model: str) -> list[Weights]:
     return [w for w in WEIGHTS if w.model == model]
 
 
-def default_weights(model: str, task: str = DEFAULT_TASK,
+def default_weights(model: str, task: str = CLASSIFICATION,
                     detector: str | None = None) -> Weights | None:  # fmt: skip
     """``model``'s first entry for ``task`` (and ``detector``), or None."""
     return next((w for w in WEIGHTS if w.model == model and w.task == task
@@ -188,10 +196,10 @@ def default_weights(model: str, task: str = DEFAULT_TASK,
 
 
 def _builder(w: Weights) -> str:
-    return get_task(w.task).loads_released.format(name=w.name, model=w.model, detector=w.detector)
+    return LOADS_RELEASED[w.task].format(name=w.name, model=w.model, detector=w.detector)
 
 
-def resolve_weights(name: str, task: str = DEFAULT_TASK,
+def resolve_weights(name: str, task: str = CLASSIFICATION,
                     detector: str | None = None) -> Weights:  # fmt: skip
     """The entry ``name`` (``model`` or ``model.tag``) stands for when ``task`` is built.
 

@@ -47,8 +47,6 @@ class TaskSpec:
         implied_by: eval/predict flags whose presence says this task when neither the
             checkpoint nor ``--data`` does (``--detector``: an mmdet ``.pth``).
         needs_cat_ids: its checkpoints map each class to a COCO category id (``cat_ids``).
-        loads_released: the call that builds a model with its released weights, for messages
-            (``{name}``, ``{model}``, ``{detector}`` of a :class:`lgvit.models.weights.Weights`).
     """
 
     name: str
@@ -59,7 +57,6 @@ class TaskSpec:
     head: str
     implied_by: tuple[str, ...] = field(default=())
     needs_cat_ids: bool = False
-    loads_released: str = "create_model('{name}', pretrained=True)"
 
     def module(self, part: str) -> ModuleType:
         """``train``, ``evaluate`` or ``cli`` of this task (imported on first use)."""
@@ -85,11 +82,9 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec("classification", "lgvit.tasks.classification", DATASETS,
                  ("none", "flip", "flip-translate"), dense=False, head="a classifier"),
         TaskSpec("segmentation", "lgvit.tasks.segmentation", SEG_DATASETS, ("none", "flip"),
-                 dense=True, head="Semantic FPN",
-                 loads_released="create_segmenter('{model}', pretrained=True)"),
+                 dense=True, head="Semantic FPN"),
         TaskSpec("detection", "lgvit.tasks.detection", COCO_DATASETS, ("none",), dense=True,
-                 head="a detector", implied_by=("detector",), needs_cat_ids=True,
-                 loads_released="create_detector('{detector}', '{model}', pretrained=True)"),
+                 head="a detector", implied_by=("detector",), needs_cat_ids=True),
     )
 }  # fmt: skip
 TASK_NAMES = tuple(TASKS)
