@@ -54,10 +54,10 @@ def test_each_model_command_tunes_the_allocator_once(command, mallopt_calls, mon
 
 def test_the_model_zoo_names_every_task_its_files_serve():
     # models/weights.py words "load them with ..." for each task without importing the tasks
-    from lgvit.models.weights import LOADS_RELEASED, WEIGHTS
+    from lgvit.models.weights import LOADS_RELEASED, MODEL_WORDS, WEIGHTS
     from lgvit.tasks import DEFAULT_TASK, TASK_NAMES
 
-    assert sorted(LOADS_RELEASED) == sorted(TASK_NAMES)
+    assert sorted(LOADS_RELEASED) == sorted(MODEL_WORDS) == sorted(TASK_NAMES)
     assert {w.task for w in WEIGHTS} <= set(TASK_NAMES) and DEFAULT_TASK in LOADS_RELEASED
 
 
@@ -68,3 +68,15 @@ def test_weights_of_another_task_name_their_builder():
     seg = next(w for w in WEIGHTS if w.task == "segmentation")
     with pytest.raises(LgvitError, match=rf"load them with create_segmenter\('{seg.model}', "):
         resolve_weights(seg.name)
+
+
+def test_a_dense_task_s_weights_are_not_a_classifier_s():
+    # inference tells a dense task's released file from a classifier's without the tasks
+    from lgvit.errors import LgvitError
+    from lgvit.inference import load_model
+    from lgvit.models.weights import WEIGHTS
+
+    det = next(w for w in WEIGHTS if w.task == "detection")
+    with pytest.raises(LgvitError) as e:
+        load_model(det.name, "cpu")
+    assert str(e.value) == f"{det.name} are detection weights, not a classification model's"

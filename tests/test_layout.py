@@ -96,6 +96,8 @@ APPLICATION = ("lgvit.tasks", *RUN, "lgvit.cli")
 LAYER_RULES = {  # a layer's package -> what it may not import (a module or its package)
     "lgvit.data": APPLICATION,
     "lgvit.models": APPLICATION,  # the model zoo words its messages without the tasks
+    "lgvit.inference": APPLICATION,
+    "lgvit.dense": tuple(m for m in APPLICATION if m != "lgvit.config"),  # DETECTORS: config's
 }
 
 

@@ -15,7 +15,6 @@ import torch.nn as nn
 
 from lgvit.constants import IMAGE_EXTENSIONS
 from lgvit.errors import LgvitError
-from lgvit.tasks import get_task
 
 
 def default_device() -> torch.device:
@@ -67,7 +66,9 @@ def load_model(
         return model.to(resolve_device(device)).eval()
     record = load_record(checkpoint)  # a .pth has none; a malformed one: one line, key named
     if record.is_dense:  # else "Missing key(s) pos_embed", unexplained
-        what = f"{record.detector or get_task(record.task).head} on {record.model or '?'}"
+        from lgvit.models.weights import MODEL_WORDS
+
+        what = f"{record.detector or MODEL_WORDS[record.task]} on {record.model or '?'}"
         raise LgvitError(
             f"{checkpoint} is a {record.task} checkpoint ({what}), not a classification model: "
             f"export and viz take classification checkpoints; `lgvit eval` and `lgvit "
@@ -116,12 +117,12 @@ def _load_folder(
 def _released(checkpoint: str, model_name: str | None) -> str | None:
     """``checkpoint`` when it names released classification weights (``model.tag``) and is
     not a file; ``--model``, when given, must be theirs."""
-    from lgvit.models.weights import find_weights
+    from lgvit.models.weights import CLASSIFICATION, find_weights
 
     w = find_weights(str(checkpoint))
     if w is None or Path(checkpoint).exists():
         return None
-    if get_task(w.task).dense:
+    if w.task != CLASSIFICATION:
         raise LgvitError(f"{checkpoint} are {w.task} weights, not a classification model's")
     if model_name is not None and model_name != w.model:
         raise LgvitError(f"{checkpoint} are the weights of {w.model}, but --model {model_name} "

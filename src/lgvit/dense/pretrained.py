@@ -17,8 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from lgvit.errors import LgvitError
-from lgvit.models.weights import Weights, find_weights
-from lgvit.tasks import get_task
+from lgvit.models.weights import MODEL_WORDS, Weights, find_weights
 
 
 def load_dense_file(model: nn.Module, path: str | Path, what: str) -> None:
@@ -39,7 +38,7 @@ def load_dense_file(model: nn.Module, path: str | Path, what: str) -> None:
 
 
 def _what(w: Weights) -> str:
-    return f"{w.detector or get_task(w.task).head} on {w.model}"
+    return f"{w.detector or MODEL_WORDS[w.task]} on {w.model}"
 
 
 def check_classes(w: Weights, num_classes: int | None) -> None:

@@ -38,6 +38,9 @@ LOADS_RELEASED = {
     "segmentation": "create_segmenter('{model}', pretrained=True)",
     "detection": "create_detector('{detector}', '{model}', pretrained=True)",
 }
+# The words for a model of each task in messages ("a file of Semantic FPN on lit_ti").
+MODEL_WORDS = {CLASSIFICATION: "a classifier", "segmentation": "Semantic FPN",
+               "detection": "a detector"}  # fmt: skip
 
 
 _LIT = dict(

@@ -30,6 +30,7 @@ from lgvit.data.coco import COCO_DATASETS
 from lgvit.data.datasets import DATASETS
 from lgvit.data.segmentation import SEG_DATASETS
 from lgvit.errors import LgvitError
+from lgvit.models.weights import MODEL_WORDS
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,12 @@ TASKS: dict[str, TaskSpec] = {
     t.name: t
     for t in (
         TaskSpec("classification", "lgvit.tasks.classification", DATASETS,
-                 ("none", "flip", "flip-translate"), dense=False, head="a classifier"),
+                 ("none", "flip", "flip-translate"), dense=False,
+                 head=MODEL_WORDS["classification"]),
         TaskSpec("segmentation", "lgvit.tasks.segmentation", SEG_DATASETS, ("none", "flip"),
-                 dense=True, head="Semantic FPN"),
+                 dense=True, head=MODEL_WORDS["segmentation"]),
         TaskSpec("detection", "lgvit.tasks.detection", COCO_DATASETS, ("none",), dense=True,
-                 head="a detector", implied_by=("detector",), needs_cat_ids=True),
+                 head=MODEL_WORDS["detection"], implied_by=("detector",), needs_cat_ids=True),
     )
 }  # fmt: skip
 TASK_NAMES = tuple(TASKS)
