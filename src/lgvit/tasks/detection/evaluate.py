@@ -150,11 +150,9 @@ def load_detector(
     from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
     from lgvit.dense.pretrained import released_checkpoint
     from lgvit.inference import resolve_device
+    from lgvit.tasks.detection import build_released
 
-    released = released_checkpoint(
-        checkpoint, "detection", lambda w: create_detector(w.detector, w.model, w.num_classes),
-        model_name, detector,
-    )  # fmt: skip
+    released = released_checkpoint(checkpoint, "detection", build_released, model_name, detector)
     if released is not None:  # a name: the cached file, its backbone and detector
         checkpoint, model_name, detector = released[0], released[1].model, released[1].detector
     # Checked first: another task's checkpoint or a malformed value is one line, key named.

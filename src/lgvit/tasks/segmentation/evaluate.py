@@ -137,10 +137,9 @@ def load_segmenter(
     from lgvit.dense.pretrained import released_checkpoint
     from lgvit.dense.semfpn import create_segmenter
     from lgvit.inference import resolve_device
+    from lgvit.tasks.segmentation import build_released
 
-    released = released_checkpoint(
-        checkpoint, "segmentation", lambda w: create_segmenter(w.model, w.num_classes), model_name
-    )
+    released = released_checkpoint(checkpoint, "segmentation", build_released, model_name)
     if released is not None:  # a name: the cached file, its backbone
         checkpoint, model_name = released[0], released[1].model
     # Checked first: another task's checkpoint or a malformed value is one line, key named.
