@@ -23,6 +23,7 @@ COMMON = {
 }
 # Task names outside lgvit/tasks, each for a reason that is not choosing a task's behaviour.
 NAMED_OUTSIDE = {
+    "kinds.py": "the checkpoint kinds: each task's name and record defaults, below the models",
     "data/coco.py": "COCO's annotation field 'segmentation'",
     "models/weights.py": "the released files' table: which task each file is for",
     "dense/detection.py": "the detector builder asks the table for detection weights",
@@ -72,7 +73,7 @@ def test_every_task_has_its_three_modules_and_the_engines_interface():
         assert callable(cli.run_eval) and callable(cli.run_predict), t.name
         assert t.module("evaluate").__name__ == f"{t.package}.evaluate"
         assert set(t.eval_tta) <= {"none", "flip", "flip-translate"} and "none" in t.eval_tta
-        assert isinstance(t.record_defaults({"task": t.name}), dict)
+        assert isinstance(t.kind.record_defaults({"task": t.name}), dict)
     assert TASK_NAMES == tuple(TASKS) and set(ALL_DATASETS) == {
         d for t in TASKS.values() for d in t.datasets
     }

@@ -27,12 +27,13 @@ import yaml
 
 from lgvit.atomic import atomic_write_bytes
 from lgvit.constants import CROP_PCT, MAX_DENSE_SCALE
-from lgvit.data.coco import COCO_DATASETS
+from lgvit.data.coco import COCO_DATASETS, DET_SCALE
 from lgvit.data.datasets import DATASETS
 from lgvit.data.recipe import DEIT_RECIPE as _R
 from lgvit.data.recipe import RE_MODES, TRAIN_CROPS
-from lgvit.data.segmentation import SEG_DATASETS
+from lgvit.data.segmentation import SEG_DATASETS, SEG_SCALE
 from lgvit.errors import LgvitError, first_line
+from lgvit.kinds import DETECTORS
 from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES, TASKS, get_task
 
 __all__ = [
@@ -59,7 +60,6 @@ __all__ = [
 AMP_MODES = ("auto", "bf16", "fp16", "none")
 OPTIMIZERS = ("adamw", "sgd", "lamb")
 SCHEDULES = ("cosine", "linear", "step", "poly", "none")
-DETECTORS = ("retinanet", "maskrcnn")
 MAX_IMG_SIZE = 4096  # beyond any model here; larger sizes only exhaust memory in the size probe
 TTA_MODES = ("none", "flip", "flip-translate")
 
@@ -122,13 +122,13 @@ class TrainConfig:
     repeated_aug: int = 1  # repeated augmentation count (DeiT RASampler; 1: off)
     crop_pct: float = CROP_PCT  # eval: resize to size / crop_pct, then centre crop
     # segmentation (mmseg's ADE20K pipeline; img_size is the crop)
-    seg_scale: tuple[int, int] = (2048, 512)  # images rescaled to fit (long, short) x ratio
+    seg_scale: tuple[int, int] = SEG_SCALE  # images rescaled to fit (long, short) x ratio
     seg_ratio_range: tuple[float, float] = (0.5, 2.0)  # training: random ratio of seg_scale
     cat_max_ratio: float = 0.75  # training crops: at most this share of one class (10 tries)
     photometric: bool = True  # training: mmseg's photometric distortion
     # detection (torchvision's RetinaNet / Mask R-CNN as LIT's mmdet configs)
-    detector: str = "retinanet"  # retinanet | maskrcnn
-    det_scale: tuple[int, int] = (1333, 800)  # images resized to fit (long, short), ratio kept
+    detector: str = DETECTORS[0]  # retinanet | maskrcnn
+    det_scale: tuple[int, int] = DET_SCALE  # images resized to fit (long, short), ratio kept
     # progressive resizing: early epochs train on downscaled batches, then the full size
     train_size_start: int | None = None  # training input size of the first epochs (None: off)
     train_size_ramp: tuple[float, float] = (0.25, 0.75)  # run fractions: grows to img_size

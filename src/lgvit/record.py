@@ -25,7 +25,7 @@ from typing import Any
 
 from lgvit.constants import MAX_DENSE_SCALE
 from lgvit.errors import LgvitError
-from lgvit.tasks import DEFAULT_TASK, TASK_NAMES, get_task
+from lgvit.kinds import DEFAULT_TASK, DETECTORS, TASK_NAMES, task_kind
 
 __all__ = [
     "CheckpointRecord",
@@ -90,7 +90,7 @@ class CheckpointRecord:
     @property
     def is_dense(self) -> bool:
         """A segmenter's or detector's checkpoint (the task's ``dense``), not a classifier's."""
-        return get_task(self.task).dense
+        return task_kind(self.task).dense
 
     def to_meta(self) -> dict[str, str]:
         """The header's strings: every field that is set, in field order."""
@@ -129,10 +129,10 @@ class CheckpointRecord:
     @classmethod
     def defaults(cls, values: Mapping[str, Any]) -> dict[str, Any]:
         """The values of the keys a header of ``values['task']`` may lack (given ``values``,
-        the ones it has): the task's own ``record_defaults`` (:mod:`lgvit.tasks`). lgvit's first
+        the ones it has): the task kind's ``record_defaults`` (:mod:`lgvit.kinds`). lgvit's first
         classification checkpoints named no task and no model_kwargs; the LIT authors'
         mmseg/mmdet files carry no header at all."""
-        return get_task(values.get("task", DEFAULT_TASK)).record_defaults(dict(values))
+        return task_kind(values.get("task", DEFAULT_TASK)).record_defaults(dict(values))
 
     @staticmethod
     def is_lgvit_header(meta: Mapping[str, str]) -> bool:
@@ -170,23 +170,13 @@ def _json(ok: Callable[[Any], bool], convert: Callable[[Any], Any] = tuple) -> C
     return parse
 
 
-def _one_of(names: Callable[[], tuple[str, ...]]) -> Callable[[str], str]:
+def _one_of(names: tuple[str, ...]) -> Callable[[str], str]:
     def parse(raw: str) -> str:
-        if raw not in names():
+        if raw not in names:
             raise ValueError(raw)
         return raw
 
     return parse
-
-
-def _tasks() -> tuple[str, ...]:
-    return TASK_NAMES
-
-
-def _detectors() -> tuple[str, ...]:
-    from lgvit.config import DETECTORS
-
-    return DETECTORS
 
 
 def _text(raw: str) -> str:
@@ -222,8 +212,8 @@ _SIZES = f"two sizes (pixels, at most {MAX_DENSE_SCALE})"
 # Each key: what a good value is (the error's words) and its parser (ValueError or TypeError:
 # malformed), in the record's field order.
 _PARSERS: dict[str, tuple[str, Callable[[str], Any]]] = {
-    "task": (f"one of {', '.join(TASK_NAMES)}", _one_of(_tasks)),
-    "detector": ("one of retinanet, maskrcnn", _one_of(_detectors)),
+    "task": (f"one of {', '.join(TASK_NAMES)}", _one_of(TASK_NAMES)),
+    "detector": (f"one of {', '.join(DETECTORS)}", _one_of(DETECTORS)),
     "model": ("a model name", _text),
     "img_size": ("a positive whole number", _whole),
     "num_classes": ("a positive whole number", _whole),
@@ -273,11 +263,11 @@ def _check_together(values: Mapping[str, Any], meta: Mapping[str, str], source: 
     detection's class index is looked up in ``cat_ids``. (A classifier's names may be fewer
     than its outputs: the rest are named by index.)"""
     classes, n = values.get("classes"), values.get("num_classes")
-    dense = get_task(values["task"]).dense
+    dense = task_kind(values["task"]).dense
     if dense and classes is not None and n is not None and n != len(classes):
         raise _bad(meta, "num_classes", source, f"the number of its {len(classes)} classes")
     ids = values.get("cat_ids")
-    if get_task(values["task"]).needs_cat_ids and ids is None:
+    if task_kind(values["task"]).needs_cat_ids and ids is None:
         raise LgvitError(f"{source}: metadata names classes but no cat_ids (the COCO category "
                          "id of each class)")  # fmt: skip
     if ids is not None and classes is not None and len(ids) != len(classes):

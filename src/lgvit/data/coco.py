@@ -46,6 +46,8 @@ from lgvit.data.segmentation import EpochLoader, _Items, _keep, own_generator, s
 from lgvit.errors import LgvitError, refuse_deep_nesting
 
 COCO_DATASETS = ("coco",)
+# The LIT authors' mmdet configs: images resized to fit (long, short) sides 1333 x 800.
+DET_SCALE = (1333, 800)
 MIN_SIZE = 32  # mmdet's _filter_imgs: training images with a shorter side are dropped
 _SPLITS = ("train", "val")
 # COCO 2017's 80 categories (instances_*2017.json), in id order: what a detector trained on COCO

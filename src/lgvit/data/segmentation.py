@@ -43,6 +43,10 @@ from lgvit.errors import LgvitError
 SEG_DATASETS = ("ade20k", "segfolder")
 IGNORE = 255  # the label of pixels not scored
 
+# The LIT authors' mmseg config for ADE20K: the (long, short) test scale and the training crop.
+SEG_SCALE = (2048, 512)
+SEG_CROP = 512
+
 # ADE20K SceneParsing's 150 classes (objectInfo150), in label order 1..150.
 ADE20K_CLASSES = (
     "wall", "building", "sky", "floor", "tree", "ceiling", "road", "bed", "windowpane",
@@ -323,8 +327,8 @@ def photometric_distortion(img: torch.Tensor, rng: np.random.Generator) -> torch
 class SegAugment:
     """The training pipeline's settings (LIT's ADE20K config by default)."""
 
-    crop: int = 512
-    scale: tuple[int, int] = (2048, 512)
+    crop: int = SEG_CROP
+    scale: tuple[int, int] = SEG_SCALE
     ratio_range: tuple[float, float] = (0.5, 2.0)
     cat_max_ratio: float = 0.75
     hflip: bool = True

@@ -8,15 +8,15 @@ Each task is a package ``lgvit.tasks.<name>`` with the same three modules:
   ``PREDICT_FLAGS`` (the flags it reads beyond the common ones), ``run_eval(args)`` and
   ``run_predict(args)``;
 
-and, in its ``__init__``, ``record_defaults(values)`` (what a checkpoint of the task that lacks
-a record key means: :class:`lgvit.record.CheckpointRecord`) and ``build_released(w)`` (the
-model a released file of the task loads into).
+and, in its ``__init__``, ``build_released(w)`` (the model a released file of the task loads
+into). What its checkpoints are -- its name, dense or not, the record keys they may lack -- is
+its :class:`lgvit.kinds.TaskKind`, below the model zoo, since the checkpoint record reads it.
 
-:data:`TASKS` below is the only list of them: the engine's ``train()``, the config's validation,
-the checkpoint record and the command line all read it, and nothing outside ``lgvit.tasks``
-names a task. Adding a task is one folder plus one :class:`TaskSpec` line. A task's modules are
-imported on first use, so ``lgvit eval`` and ``predict`` never import training; which task a
-command runs is :mod:`lgvit.tasks.dispatch`'s.
+:data:`TASKS` below is the only list of the tasks' code: the engine's ``train()``, the config's
+validation and the command line read it, and nothing outside ``lgvit.tasks`` and
+:mod:`lgvit.kinds` names a task. Adding a task is one folder, one :class:`TaskKind` and one
+:class:`TaskSpec` line. A task's modules are imported on first use, so ``lgvit eval`` and
+``predict`` never import training; which task a command runs is :mod:`lgvit.tasks.dispatch`'s.
 """
 
 from __future__ import annotations
@@ -29,35 +29,51 @@ from typing import Any
 from lgvit.data.coco import COCO_DATASETS
 from lgvit.data.datasets import DATASETS
 from lgvit.data.segmentation import SEG_DATASETS
-from lgvit.errors import LgvitError
+from lgvit.kinds import DEFAULT_TASK, TASK_KINDS, TASK_NAMES, TaskKind, task_kind
 from lgvit.models.weights import MODEL_WORDS
+
+__all__ = ["ALL_DATASETS", "DEFAULT_TASK", "TASKS", "TASK_NAMES", "TaskSpec", "get_task",
+           "task_of_data"]  # fmt: skip
 
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """One task: its name, where its code lives and the facts the rest of lgvit asks about it.
+    """One task: its kind of checkpoint, where its code lives and the facts the rest of lgvit
+    asks about it.
 
     Attributes:
-        name: what ``--task``, a config's ``task`` and a checkpoint's record say.
-        package: the task's package (``train``, ``evaluate``, ``cli`` modules in it).
+        kind: its checkpoints (:class:`lgvit.kinds.TaskKind`: name, dense, record defaults).
         datasets: the ``--data`` names it trains and evaluates on.
         eval_tta: the test-time augmentations its evaluation has (``eval_tta``, ``--tta``).
-        dense: a per-pixel or per-object task on a pyramid backbone (a segmenter or detector,
-            not a classifier: ``lgvit export``/``viz`` refuse its checkpoints).
         head: the words for its model in messages ("a classifier", "Semantic FPN").
         implied_by: eval/predict flags whose presence says this task when neither the
             checkpoint nor ``--data`` does (``--detector``: an mmdet ``.pth``).
-        needs_cat_ids: its checkpoints map each class to a COCO category id (``cat_ids``).
     """
 
-    name: str
-    package: str
+    kind: TaskKind
     datasets: tuple[str, ...]
     eval_tta: tuple[str, ...]
-    dense: bool
     head: str
     implied_by: tuple[str, ...] = field(default=())
-    needs_cat_ids: bool = False
+
+    @property
+    def name(self) -> str:
+        """What ``--task``, a config's ``task`` and a checkpoint's record say."""
+        return self.kind.name
+
+    @property
+    def dense(self) -> bool:
+        """A segmenter or detector on a pyramid backbone, not a classifier."""
+        return self.kind.dense
+
+    @property
+    def needs_cat_ids(self) -> bool:
+        return self.kind.needs_cat_ids
+
+    @property
+    def package(self) -> str:
+        """The task's package (``train``, ``evaluate``, ``cli`` modules in it)."""
+        return f"lgvit.tasks.{self.name}"
 
     def module(self, part: str) -> ModuleType:
         """``train``, ``evaluate`` or ``cli`` of this task (imported on first use)."""
@@ -71,34 +87,25 @@ class TaskSpec:
         """The model the released weights ``w`` load into, as registered (random weights)."""
         return import_module(self.package).build_released(w)
 
-    def record_defaults(self, values: dict[str, Any]) -> dict[str, Any]:
-        """What the record keys a checkpoint of this task lacks mean (given the ones it has)."""
-        return import_module(self.package).record_defaults(values)
+
+def _spec(name: str, datasets: tuple[str, ...], eval_tta: tuple[str, ...], **kw: Any) -> TaskSpec:
+    return TaskSpec(TASK_KINDS[name], datasets, eval_tta, head=MODEL_WORDS[name], **kw)
 
 
-DEFAULT_TASK = "classification"
 TASKS: dict[str, TaskSpec] = {
     t.name: t
     for t in (
-        TaskSpec("classification", "lgvit.tasks.classification", DATASETS,
-                 ("none", "flip", "flip-translate"), dense=False,
-                 head=MODEL_WORDS["classification"]),
-        TaskSpec("segmentation", "lgvit.tasks.segmentation", SEG_DATASETS, ("none", "flip"),
-                 dense=True, head=MODEL_WORDS["segmentation"]),
-        TaskSpec("detection", "lgvit.tasks.detection", COCO_DATASETS, ("none",), dense=True,
-                 head=MODEL_WORDS["detection"], implied_by=("detector",), needs_cat_ids=True),
+        _spec("classification", DATASETS, ("none", "flip", "flip-translate")),
+        _spec("segmentation", SEG_DATASETS, ("none", "flip")),
+        _spec("detection", COCO_DATASETS, ("none",), implied_by=("detector",)),
     )
-}  # fmt: skip
-TASK_NAMES = tuple(TASKS)
+}
 ALL_DATASETS = tuple(dict.fromkeys(d for t in TASKS.values() for d in t.datasets))
 
 
 def get_task(name: str) -> TaskSpec:
     """The task called ``name``; an unknown one is one line naming the known ones."""
-    try:
-        return TASKS[name]
-    except (KeyError, TypeError):
-        raise LgvitError(f"unknown task {name!r}: one of {', '.join(TASK_NAMES)}") from None
+    return TASKS[task_kind(name).name]
 
 
 def task_of_data(data: str | None) -> TaskSpec | None:

@@ -11,8 +11,3 @@ def build_released(w: Any) -> Any:
     from lgvit.models import create_model
 
     return create_model(w.model, num_classes=w.num_classes)
-
-
-def record_defaults(values: dict[str, Any]) -> dict[str, Any]:
-    """lgvit's first classification checkpoints named no architecture keys: none."""
-    return {"model_kwargs": {}}

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from lgvit.config import TrainConfig
 from lgvit.data.segmentation import (
     IGNORE,
+    SEG_CROP,
     SegAugment,
     SegEvalLoader,
     SegTrainLoader,
@@ -31,7 +32,6 @@ from lgvit.errors import LgvitError, first_line
 from lgvit.models import get_model_config, is_model
 from lgvit.record import CheckpointRecord
 from lgvit.runtime import Dist, autocast, barrier
-from lgvit.tasks.segmentation import SEG_CROP
 from lgvit.tasks.segmentation.evaluate import evaluate_segmentation, normalise
 
 
