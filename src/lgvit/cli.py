@@ -15,14 +15,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lgvit.config import DETECTORS
+from lgvit.config import OPTIMIZERS, SCHEDULES, TrainConfig
 from lgvit.errors import LgvitError
-from lgvit.tasks import ALL_DATASETS, TASK_NAMES
+from lgvit.kinds import DETECTORS
+from lgvit.runtime import AMP_MODES
+from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES
 from lgvit.tasks.flags import add_task_flags
 
 
 def _fmt(v: object, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
+
+
+def _one_of(names: Sequence[str]) -> str:
+    """``a, b or c``: the names of a module's list, for a help text or a message."""
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else "".join(names)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -89,10 +96,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for path in run_scaling(args.scaling, args.out or f"scaling_{args.scaling}", args.quick):
             print(path)
         return 0
-    from lgvit.bench import BenchOptions, format_result, run_bench
+    from lgvit.bench import FORMATS, BenchOptions, format_result, run_bench
 
-    if args.format not in ("table", "markdown", "csv", "json"):
-        raise LgvitError(f"--format {args.format!r}: choose table, markdown, csv or json")
+    if args.format not in FORMATS:
+        raise LgvitError(f"--format {args.format!r}: choose {_one_of(FORMATS)}")
     opts = BenchOptions(
         device=args.device, amp=args.amp, batch_size=args.batch_size, img_size=args.img_size,
         train=args.train, compile=args.compile, rounds=args.rounds, memory=not args.no_memory,
@@ -182,9 +189,13 @@ def _none_or(kind: type) -> Any:
 
 
 # timm train.py's flag names -> config keys (type, help). --lr is the rate for a global batch
-# of lr_base_batch (512), scaled to the real batch as DeiT does.
+# of lr_base_batch, scaled to the real batch as DeiT does.
 TIMM_FLAGS: dict[str, tuple[str, Any, str]] = {
-    "--lr": ("lr", float, "learning rate for a global batch of 512 (scaled linearly)"),
+    "--lr": (
+        "lr",
+        float,
+        f"learning rate for a global batch of {TrainConfig.lr_base_batch} (scaled linearly)",
+    ),
     "--min-lr": ("min_lr", float, "lr the schedule decays to"),
     "--warmup-lr": ("warmup_lr", float, "lr the warm-up starts from"),
     "--weight-decay": ("weight_decay", float, "AdamW weight decay"),
@@ -196,8 +207,8 @@ TIMM_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--cutmix": ("cutmix", float, "cutmix alpha (0: off)"),
     "--reprob": ("reprob", float, "random erasing probability"),
     "--clip-grad": ("clip_grad", _none_or(float), "gradient-norm clip (none: off)"),
-    "--opt": ("opt", str, "adamw | sgd | lamb"),
-    "--sched": ("sched", str, "cosine | linear | step | none"),
+    "--opt": ("opt", str, " | ".join(OPTIMIZERS)),
+    "--sched": ("sched", str, " | ".join(SCHEDULES)),
     "--momentum": ("momentum", float, "SGD momentum"),
     "--decay-epochs": ("decay_epochs", float, "step schedule: epochs between decays"),
     "--decay-rate": ("decay_rate", float, "step schedule: lr factor per decay"),
@@ -275,8 +286,9 @@ def _add_info(sub: Any) -> None:
 
 
 def _add_bench(sub: Any) -> None:
-    from lgvit.bench import DEFAULT_BATCH
+    from lgvit.bench import DEFAULT_BATCH, FORMATS, BenchOptions
     from lgvit.bench import __doc__ as bench_doc
+    from lgvit.scaling import STUDY_NAMES
 
     p = sub.add_parser(
         "bench",
@@ -285,12 +297,13 @@ def _add_bench(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("names", nargs="*", help="model names or wildcards (default: all)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--device", default=BenchOptions.device,
+                   help=f"cpu, cuda or cuda:N (default: {BenchOptions.device})")  # fmt: skip
     p.add_argument(
         "--amp",
-        choices=["auto", "bf16", "fp16", "none"],
-        default="auto",
-        help="precision: auto = bf16 where the hardware has it (default)",
+        choices=AMP_MODES,
+        default=BenchOptions.amp,
+        help=f"precision: {BenchOptions.amp} = bf16 where the hardware has it (default)",
     )
     p.add_argument(
         "--batch-size",
@@ -306,14 +319,15 @@ def _add_bench(sub: Any) -> None:
         help="also time a training step (forward, backward, AdamW) and its memory",
     )
     p.add_argument("--compile", action="store_true", help="torch.compile every model")
-    p.add_argument("--rounds", type=int, default=3, help="alternating timed rounds (median)")
+    p.add_argument("--rounds", type=int, default=BenchOptions.rounds,
+                   help="alternating timed rounds (median)")  # fmt: skip
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
-    p.add_argument("--format", default="table", help="table, markdown, csv or json")
+    p.add_argument("--format", default=FORMATS[0], help=_one_of(FORMATS))
     p.add_argument("--out", help="write the table (or, with --scaling, CSV + PNG) here")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument(
         "--scaling",
-        choices=["lsa", "lit", "localvit"],
+        choices=STUDY_NAMES,
         help="instead of the table: a paper's complexity claim as a curve (CSV + PNG)",
     )
     p.add_argument("--quick", action="store_true", help="with --scaling: fewer, smaller points")
@@ -321,6 +335,8 @@ def _add_bench(sub: Any) -> None:
 
 
 def _add_export(sub: Any) -> None:
+    from lgvit.export import FORMATS
+
     p = sub.add_parser(
         "export", help="ONNX, torch.export (.pt2) or the Hugging Face layout, parity-checked"
     )
@@ -329,7 +345,7 @@ def _add_export(sub: Any) -> None:
         help="a checkpoint (runs/x/best, .safetensors), local-dir:DIR, "
         "hf-hub:ORG/NAME, or a model name (random weights)",
     )
-    p.add_argument("--format", required=True, choices=["onnx", "pt2", "hf"])
+    p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("--model", help="the architecture of a .pth state dict (e.g. lit_ti)")
     p.add_argument(
         "--out", help="file (NAME.onnx, NAME.pt2) or folder (hf); default: the model name"
@@ -367,9 +383,10 @@ def _add_train(sub: Any) -> None:
         epilog="config keys (YAML files, --set key=value; precedence: defaults < YAML < flags "
         f"< --set):\n  {'key':20s} {'default':24s} meaning\n{keys}",
     )
-    p.add_argument("--task", choices=TASK_NAMES, help="default: classification (or the config's)")
-    p.add_argument("--detector", choices=DETECTORS, help="detection: default retinanet")
-    p.add_argument("--model", help="registered model name (default: lsa_micro_cifar)")
+    p.add_argument("--task", choices=TASK_NAMES, help=f"default: {DEFAULT_TASK} (or the config's)")
+    p.add_argument("--detector", choices=DETECTORS,
+                   help=f"detection: default {TrainConfig.detector}")  # fmt: skip
+    p.add_argument("--model", help=f"registered model name (default: {TrainConfig.model})")
     p.add_argument("--data", choices=ALL_DATASETS)
     p.add_argument("--data-dir", help="dataset archive or folder (no download needed)")
     p.add_argument("--img-size", type=int, help="input size (segmentation: the crop)")
@@ -381,7 +398,7 @@ def _add_train(sub: Any) -> None:
                    "or a YAML file of config keys")  # fmt: skip
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--resume", help="'auto' (the last checkpoint in --out) or a checkpoint")
-    p.add_argument("--amp", choices=["auto", "bf16", "fp16", "none"], nargs="?", const="auto",
+    p.add_argument("--amp", choices=AMP_MODES, nargs="?", const="auto",
                    help="mixed precision (a bare --amp, timm's flag, means auto)")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--seed", type=int)
@@ -427,7 +444,7 @@ def _add_eval(sub: Any) -> None:
     p.add_argument("--data-dir")
     # Full precision unless asked: the figure papers and timm's validate.py report, the same on
     # every machine (bf16 autocast moved a detector's AP50 from 21.48 to 18.39).
-    p.add_argument("--amp", choices=["none", "auto", "bf16", "fp16"], default="none",
+    p.add_argument("--amp", choices=AMP_MODES, default="none",
                    help="none: fp32 (default); auto: bf16 autocast where the device runs it "
                    "fast; bf16; fp16 (CUDA)")  # fmt: skip
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: CUDA if any)")
@@ -456,16 +473,21 @@ def _add_predict(sub: Any) -> None:
 
 
 def _add_plot(sub: Any) -> None:
+    from lgvit.plot import DEFAULT_OUT, FORMATS
+
     p = sub.add_parser(
         "plot", help="training curves of runs, overlaid: top-1, top-5, training loss per epoch"
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN", help="run directories (metrics.jsonl)")
-    p.add_argument("--out", help="PNG, SVG or PDF (default: RUN/curves.png, or ./curves.png)")
+    kinds = _one_of([f.lstrip(".").upper() for f in FORMATS])
+    p.add_argument("--out", help=f"{kinds} (default: RUN/{DEFAULT_OUT}, or ./{DEFAULT_OUT})")
     p.add_argument("--labels", help="comma-separated legend names (default: directory names)")
     p.set_defaults(func=cmd_plot)
 
 
 def _add_viz(sub: Any) -> None:
+    from lgvit.viz import KINDS
+
     p = sub.add_parser(
         "viz",
         help="what a model learned, on real images: LSA shift attention, LIT offsets, attention",
@@ -477,7 +499,7 @@ def _add_viz(sub: Any) -> None:
     )
     p.add_argument("checkpoint", help="checkpoint (runs/x/best), local-dir:/hf-hub:, or a name")
     p.add_argument("images", nargs="+")
-    p.add_argument("--what", required=True, choices=["lsa-shifts", "dtm-offsets", "attention"])
+    p.add_argument("--what", required=True, choices=KINDS)
     p.add_argument("--out", default="viz", help="output directory (default: viz)")
     p.add_argument("--per-head", action="store_true", help="lsa-shifts: also one figure per head")
     p.add_argument("--query", type=_pair, help="attention: query pixel Y,X (default: centre)")

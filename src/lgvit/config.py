@@ -34,7 +34,8 @@ from lgvit.data.recipe import RE_MODES, TRAIN_CROPS
 from lgvit.data.segmentation import SEG_DATASETS, SEG_SCALE
 from lgvit.errors import LgvitError, first_line
 from lgvit.kinds import DETECTORS
-from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES, TASKS, get_task
+from lgvit.runtime import AMP_MODES
+from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES, TASKS, TTA_MODES, get_task
 
 __all__ = [
     "AMP_MODES",
@@ -57,11 +58,9 @@ __all__ = [
     "validate_config",
 ]
 
-AMP_MODES = ("auto", "bf16", "fp16", "none")
 OPTIMIZERS = ("adamw", "sgd", "lamb")
 SCHEDULES = ("cosine", "linear", "step", "poly", "none")
 MAX_IMG_SIZE = 4096  # beyond any model here; larger sizes only exhaust memory in the size probe
-TTA_MODES = ("none", "flip", "flip-translate")
 
 
 @dataclass

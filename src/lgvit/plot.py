@@ -14,6 +14,7 @@ from pathlib import Path
 from lgvit.errors import LgvitError
 
 FORMATS = (".png", ".svg", ".pdf")
+DEFAULT_OUT = "curves.png"  # in the run directory for one run, else in the working directory
 PANELS = (
     ("test_acc1", "test top-1 (%)"),
     ("test_acc5", "test top-5 (%)"),
@@ -57,9 +58,7 @@ def plot_runs(
 
     if not run_dirs:
         raise LgvitError("no run directory given")
-    path = (
-        Path(out) if out else (Path(run_dirs[0]) if len(run_dirs) == 1 else Path()) / "curves.png"
-    )
+    path = Path(out) if out else (Path(run_dirs[0]) if len(run_dirs) == 1 else Path()) / DEFAULT_OUT
     if path.suffix.lower() not in FORMATS:
         raise LgvitError(f"--out {path}: the file must end in {', '.join(FORMATS)}")
     if labels is not None and len(labels) != len(run_dirs):

@@ -127,9 +127,16 @@ def warn_if_bf16_emulated(device: torch.device) -> None:
     )
 
 
+# The precisions every --amp flag and the config's ``amp`` take (resolve_amp reads them).
+AMP_MODES = ("auto", "bf16", "fp16", "none")
+
+
 def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
     """'auto' -> bf16 where the hardware runs it fast, else full precision; an explicit bf16
-    on a CPU that emulates it runs, with one warning line saying so."""
+    on a CPU that emulates it runs, with one warning line saying so. A name outside
+    ``AMP_MODES`` is refused (it would otherwise run as auto)."""
+    if amp not in AMP_MODES:
+        raise LgvitError(f"--amp {amp!r}: must be one of {', '.join(AMP_MODES)}")
     if amp == "none":
         return None
     if amp == "fp16":

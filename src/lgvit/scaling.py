@@ -159,6 +159,7 @@ STUDIES: dict[str, tuple[Study, Callable[[str, int], Run]]] = {
         _localvit_case,
     ),
 }
+STUDY_NAMES = tuple(STUDIES)  # what ``lgvit bench --scaling`` takes
 
 
 # --------------------------------------------------------------------------------- measure

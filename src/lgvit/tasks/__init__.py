@@ -32,8 +32,12 @@ from lgvit.data.segmentation import SEG_DATASETS
 from lgvit.kinds import DEFAULT_TASK, TASK_KINDS, TASK_NAMES, TaskKind, task_kind
 from lgvit.models.weights import MODEL_WORDS
 
-__all__ = ["ALL_DATASETS", "DEFAULT_TASK", "TASKS", "TASK_NAMES", "TaskSpec", "get_task",
-           "task_of_data"]  # fmt: skip
+__all__ = ["ALL_DATASETS", "DEFAULT_TASK", "TASKS", "TASK_NAMES", "TTA_MODES", "TaskSpec",
+           "get_task", "task_of_data"]  # fmt: skip
+
+# Every test-time augmentation an evaluation has (``eval_tta``, ``--tta``); each task takes the
+# first few: segmentation has no translated pass, detection none.
+TTA_MODES = ("none", "flip", "flip-translate")
 
 
 @dataclass(frozen=True)
@@ -95,9 +99,9 @@ def _spec(name: str, datasets: tuple[str, ...], eval_tta: tuple[str, ...], **kw:
 TASKS: dict[str, TaskSpec] = {
     t.name: t
     for t in (
-        _spec("classification", DATASETS, ("none", "flip", "flip-translate")),
-        _spec("segmentation", SEG_DATASETS, ("none", "flip")),
-        _spec("detection", COCO_DATASETS, ("none",), implied_by=("detector",)),
+        _spec("classification", DATASETS, TTA_MODES),
+        _spec("segmentation", SEG_DATASETS, TTA_MODES[:2]),
+        _spec("detection", COCO_DATASETS, TTA_MODES[:1], implied_by=("detector",)),
     )
 }
 ALL_DATASETS = tuple(dict.fromkeys(d for t in TASKS.values() for d in t.datasets))

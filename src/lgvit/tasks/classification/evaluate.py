@@ -18,11 +18,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lgvit.atomic import atomic_write_bytes
-from lgvit.config import TTA_MODES
 from lgvit.data.protocol import Loader
 from lgvit.errors import LgvitError, first_line, refuse_deep_nesting
 from lgvit.progress import StepProgress, on_terminal
 from lgvit.runtime import Dist, all_reduce_sum, autocast
+from lgvit.tasks import TTA_MODES
 
 
 def _mirror_logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
