@@ -191,8 +191,36 @@ class _Live:
 def run_bench(
     patterns: Sequence[str], opts: BenchOptions, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
-    """Measure every model that ``patterns`` names; returns the header and the rows."""
+    """Measure every model that ``patterns`` names; returns the header and the rows.
+
+    Three phases: build and warm up every model (a row each, a failure as its reason), time the
+    ones that run in alternating rounds, then their throughput, MFU and memory."""
     names = resolve_names(patterns)
+    device, amp = _device_and_precision(opts)
+    precision = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp]
+    kinds = ["infer", "train"] if opts.train else ["infer"]
+    log(f"lgvit bench: {len(names)} models, {describe_machine(device)}, {precision}")
+    peak = matmul_peak_flops(amp or torch.float32, device=device)
+    rows, live = _build_all(names, opts, kinds, amp, device, log)
+    _time_rounds(live, rows, opts, device, log)
+    for m in live:
+        _throughput(m, rows[m.name], opts.batch_size, peak)
+        if opts.memory:
+            _measure_memory(m, rows[m.name], opts, amp, device)
+            log(f"  measured memory of {m.name}")
+    return {
+        "machine": describe_machine(device),
+        "device": device.type,
+        "precision": precision,
+        "batch": opts.batch_size,
+        "matmul_peak_tflops": peak / 1e12,
+        "options": asdict(opts),
+        "rows": [rows[n] for n in names],
+    }
+
+
+def _device_and_precision(opts: BenchOptions) -> tuple[torch.device, torch.dtype | None]:
+    """The device and autocast dtype the run measures at; bad options refused in one line."""
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise LgvitError("--device cuda: CUDA is not available on this machine")
@@ -200,49 +228,76 @@ def run_bench(
         raise LgvitError("--batch-size and --rounds must be at least 1")
     from lgvit.runtime import resolve_amp
 
-    amp = resolve_amp(opts.amp, device)
-    precision = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp]
-    kinds = ["infer", "train"] if opts.train else ["infer"]
-    log(f"lgvit bench: {len(names)} models, {describe_machine(device)}, {precision}")
-    peak = matmul_peak_flops(amp or torch.float32, device=device)
+    return device, resolve_amp(opts.amp, device)
 
+
+def _build_all(
+    names: Sequence[str], opts: BenchOptions, kinds: Sequence[str], amp: torch.dtype | None,
+    device: torch.device, log: Callable[[str], None],
+) -> tuple[dict[str, dict[str, Any]], list[_Live]]:  # fmt: skip
+    """Phase 1: every model's row, and the models that build and run, warmed up."""
     rows: dict[str, dict[str, Any]] = {}
     live: list[_Live] = []
     for name in names:
-        input_size = _input_size(name, opts.img_size)
-        row = {"model": name, "input": input_size[-1], "batch": opts.batch_size, "error": None}
-        if device.type == "cpu":
-            row["cpu_bf16"] = cpu_bf16_note()  # a CSV row alone still says it
-        row.update(paper_columns(name))
-        rows[name] = row
+        rows[name] = row = _new_row(name, opts, device)
         try:
-            with torch.device("meta"):
-                meta = build_model(name, opts.img_size, "meta")
-            row["params_m"] = count_params(meta) / 1e6
-            row["macs_g"] = count_macs(meta, input_size) / 1e9
-            del meta
-            torch.manual_seed(0)
-            model = build_model(name, opts.img_size, device)
-            run = torch.compile(model) if opts.compile else model
-            steps = {
-                k: make_step(run, input_size, opts.batch_size, k == "train", amp, device=device)
-                for k in kinds
-            }
-            for kind, step in steps.items():
-                start = time.perf_counter()
-                step()  # with --compile, the first call compiles (and its backward, training)
-                if opts.compile:
-                    row[f"{kind}_compile_s"] = time.perf_counter() - start
-                for _ in range(opts.warmup - 1):
-                    step()
-            live.append(_Live(name, model, steps, {k: [] for k in kinds}))
+            live.append(_build_and_warm_up(name, row, opts, kinds, amp, device))
             log(f"  built and warmed up {name}")
         except Exception as e:  # noqa: BLE001 -- one row with the reason, not a crash
             row["error"] = _one_line(e)
             log(f"  {name}: {row['error']}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return rows, live
 
+
+def _new_row(name: str, opts: BenchOptions, device: torch.device) -> dict[str, Any]:
+    """A model's row before measuring: its input, batch and the paper's figures."""
+    row = {
+        "model": name, "input": _input_size(name, opts.img_size)[-1], "batch": opts.batch_size,
+        "error": None,
+    }  # fmt: skip
+    if device.type == "cpu":
+        row["cpu_bf16"] = cpu_bf16_note()  # a CSV row alone still says it
+    row.update(paper_columns(name))
+    return row
+
+
+def _build_and_warm_up(
+    name: str, row: dict[str, Any], opts: BenchOptions, kinds: Sequence[str],
+    amp: torch.dtype | None, device: torch.device,
+) -> _Live:  # fmt: skip
+    """Params and MACs (on the meta device) into ``row``; the model on ``device`` with one
+    step per kind, each run ``opts.warmup`` times (with --compile the first compiles, timed)."""
+    input_size = _input_size(name, opts.img_size)
+    with torch.device("meta"):
+        meta = build_model(name, opts.img_size, "meta")
+    row["params_m"] = count_params(meta) / 1e6
+    row["macs_g"] = count_macs(meta, input_size) / 1e9
+    del meta
+    torch.manual_seed(0)
+    model = build_model(name, opts.img_size, device)
+    run = torch.compile(model) if opts.compile else model
+    steps = {
+        k: make_step(run, input_size, opts.batch_size, k == "train", amp, device=device)
+        for k in kinds
+    }
+    for kind, step in steps.items():
+        start = time.perf_counter()
+        step()  # with --compile, the first call compiles (and its backward, training)
+        if opts.compile:
+            row[f"{kind}_compile_s"] = time.perf_counter() - start
+        for _ in range(opts.warmup - 1):
+            step()
+    return _Live(name, model, steps, {k: [] for k in kinds})
+
+
+def _time_rounds(
+    live: list[_Live], rows: dict[str, dict[str, Any]], opts: BenchOptions,
+    device: torch.device, log: Callable[[str], None],
+) -> None:  # fmt: skip
+    """Phase 2: each round times every live model's steps in turn (alternating, so machine
+    noise hits all alike); a model whose step fails leaves ``live`` with the reason."""
     for r in range(opts.rounds):
         for m in list(live):
             for kind, step in m.steps.items():
@@ -254,26 +309,15 @@ def run_bench(
                     break
         log(f"  round {r + 1}/{opts.rounds} done")
 
-    for m in live:
-        row = rows[m.name]
-        flops = 2 * row["macs_g"] * 1e9  # per image, forward
-        for kind in kinds:
-            img_s = opts.batch_size / statistics.median(m.times[kind])
-            mult = 3 if kind == "train" else 1  # backward ~ 2x forward
-            row[f"{kind}_img_s"] = img_s
-            row[f"{kind}_mfu"] = mult * flops * img_s / peak
-        if opts.memory:
-            _measure_memory(m, row, opts, amp, device)
-            log(f"  measured memory of {m.name}")
-    return {
-        "machine": describe_machine(device),
-        "device": device.type,
-        "precision": precision,
-        "batch": opts.batch_size,
-        "matmul_peak_tflops": peak / 1e12,
-        "options": asdict(opts),
-        "rows": [rows[n] for n in names],
-    }
+
+def _throughput(m: _Live, row: dict[str, Any], batch: int, peak: float) -> None:
+    """Phase 3: images/s from the median round, and MFU against the matmul peak, per kind."""
+    flops = 2 * row["macs_g"] * 1e9  # per image, forward
+    for kind, times in m.times.items():
+        img_s = batch / statistics.median(times)
+        mult = 3 if kind == "train" else 1  # backward ~ 2x forward
+        row[f"{kind}_img_s"] = img_s
+        row[f"{kind}_mfu"] = mult * flops * img_s / peak
 
 
 def _measure_memory(
