@@ -55,7 +55,7 @@ FORMATS = ("table", "markdown", "csv", "json")
 @dataclass
 class BenchOptions:
     device: str = "cpu"
-    amp: str = "auto"  # auto | bf16 | fp16 | none
+    amp: str = "auto"  # one of lgvit.runtime.AMP_MODES
     batch_size: int = DEFAULT_BATCH
     img_size: int | None = None  # None: each model's default input size
     train: bool = False
