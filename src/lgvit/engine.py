@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import signal
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -634,7 +632,6 @@ def _epoch(run: Run, epoch: int, pos: _Position, t_start: float) -> bool:
         f"{metrics['img_per_s']:.0f} img/s, {metrics['epoch_time_s']:.1f}s{eta}"
     )
     run.last_metrics = metrics
-    _fault_injection(epoch)
     ctl.after_epoch(epoch, last, out, run.log)  # a signal stops the run, unless it is done
     if timed_out:
         run.log(f"time limit of {cfg.time_limit_min} min reached after epoch {epoch + 1}")
@@ -677,10 +674,3 @@ def _run(
     if d.world_size > 1:
         dist.destroy_process_group()
     return run.last_metrics
-
-
-def _fault_injection(epoch: int) -> None:
-    """Test hook: LGVIT_KILL_AFTER_EPOCH=k SIGKILLs the process once epoch k is checkpointed."""
-    k = os.environ.get("LGVIT_KILL_AFTER_EPOCH")
-    if k is not None and int(k) == epoch:
-        os.kill(os.getpid(), signal.SIGKILL)
