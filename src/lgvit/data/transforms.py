@@ -646,6 +646,85 @@ def _op_matrices(kinds: list[str], lvl: torch.Tensor, h: int, w: int) -> torch.T
     return m
 
 
+# One category's ops in a layer: (op name, batch rows) per op, in op-index order.
+_Segment = list[tuple[str, list[int]]]
+_Segments = dict[str, _Segment]  # by category: "lut", "blend", "geo"
+
+
+def _draw_layer(
+    b: int, gen: torch.Generator, n_ops: int, prob: float, magnitude: float, magnitude_std: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's draws per image, in timm's order: op index, applied?, magnitude, sign."""
+    op = torch.randint(n_ops, (b,), generator=gen, device=gen.device)
+    applied = _rand((b,), gen) < prob
+    if math.isinf(magnitude_std):
+        mag = _rand((b,), gen) * magnitude
+    elif magnitude_std > 0:
+        mag = magnitude + magnitude_std * torch.randn(
+            b, generator=gen, device=gen.device, dtype=torch.float64
+        )
+    else:
+        mag = torch.full((b,), float(magnitude), dtype=torch.float64, device=gen.device)
+    # timm's _randomly_negate: negative when random() > 0.5.
+    sign = torch.where(_rand((b,), gen) > 0.5, -1.0, 1.0)
+    return op, applied, mag, sign
+
+
+def _group_applied_ops(
+    names: Sequence[str], op: torch.Tensor, applied: torch.Tensor
+) -> tuple[_Segments, list[int]]:
+    """The applied images grouped by (category, op), and the row order that makes every op a
+    contiguous slice: lookup-table ops, then blends, then geometric ops."""
+    groups: dict[int, list[int]] = {}
+    for i, (k, a) in enumerate(zip(op.tolist(), applied.tolist(), strict=True)):
+        if a:
+            groups.setdefault(k, []).append(i)
+    segs: _Segments = {"lut": [], "blend": [], "geo": []}
+    for k in sorted(groups):
+        name = names[k]
+        cat = "lut" if name in _LUT_OPS else "geo" if name in _GEOMETRIC else "blend"
+        segs[cat].append((name, groups[k]))
+    order = [i for cat in segs.values() for _, rows in cat for i in rows]
+    return segs, order
+
+
+def _run_lut_ops(seg: _Segment, xs: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
+    """The point ops of a segment through one table lookup."""
+    luts, pos = [], 0
+    for name, rows in seg:
+        s = slice(pos, pos + len(rows))
+        luts.append(_op_lut(name, xs[s], frac[s]))
+        pos += len(rows)
+    return _apply_lut(xs, torch.cat(luts))
+
+
+def _run_blend_ops(
+    seg: _Segment, xs: torch.Tensor, frac: torch.Tensor, lvl: torch.Tensor
+) -> torch.Tensor:
+    """The enhance ops of a segment (brightness, color, contrast, sharpness) as one blend."""
+    degs, factors, pos = [], [], 0
+    for name, rows in seg:
+        s = slice(pos, pos + len(rows))
+        if name.endswith("Increasing"):
+            factors.append((1.0 + 0.9 * lvl[s]).clamp(min=0.1))
+        else:
+            factors.append(frac[s] * 1.8 + 0.1)
+        degs.append(_BLEND_OPS[name.removesuffix("Increasing")](xs[s]).expand(xs[s].shape))
+        pos += len(rows)
+    return _blend(torch.cat(degs), xs, torch.cat(factors))
+
+
+def _run_geometric_ops(
+    seg: _Segment,
+    xs: torch.Tensor,
+    lvl: torch.Tensor,
+    fill: Sequence[int] | int,
+) -> torch.Tensor:
+    """The geometric ops of a segment through one ``grid_sample``."""
+    kinds = [name for name, rows in seg for _ in rows]
+    return affine(xs, _op_matrices(kinds, lvl, xs.shape[-2], xs.shape[-1]), fill)
+
+
 def rand_augment(
     x: torch.Tensor,
     gen: torch.Generator,
@@ -668,35 +747,14 @@ def rand_augment(
     bicubic) and ``fill`` (default: timm's ImageNet ``img_mean``; ``None`` means black).
     """
     _check_images(x, "rand_augment", uint8=True)
-    b, _, h, w = x.shape
+    b = x.shape[0]
     names = RAND_INCREASING_TRANSFORMS if increasing else RAND_TRANSFORMS
     upper = _LEVEL_DENOM if magnitude_max is None else float(magnitude_max)
     fill = 0 if fill is None else fill
     out = x.clone()
     for _ in range(num_ops):
-        op = torch.randint(len(names), (b,), generator=gen, device=gen.device)
-        applied = _rand((b,), gen) < prob
-        if math.isinf(magnitude_std):
-            mag = _rand((b,), gen) * magnitude
-        elif magnitude_std > 0:
-            mag = magnitude + magnitude_std * torch.randn(
-                b, generator=gen, device=gen.device, dtype=torch.float64
-            )
-        else:
-            mag = torch.full((b,), float(magnitude), dtype=torch.float64, device=gen.device)
-        # timm's _randomly_negate: negative when random() > 0.5.
-        sign = torch.where(_rand((b,), gen) > 0.5, -1.0, 1.0)
-        # Order the applied images by (category, op) so every op is a contiguous slice.
-        groups: dict[int, list[int]] = {}
-        for i, (k, a) in enumerate(zip(op.tolist(), applied.tolist(), strict=True)):
-            if a:
-                groups.setdefault(k, []).append(i)
-        segs = {"lut": [], "blend": [], "geo": []}
-        for k in sorted(groups):
-            name = names[k]
-            cat = "lut" if name in _LUT_OPS else "geo" if name in _GEOMETRIC else "blend"
-            segs[cat].append((name, groups[k]))
-        order = [i for cat in segs.values() for _, rows in cat for i in rows]
+        op, applied, mag, sign = _draw_layer(b, gen, len(names), prob, magnitude, magnitude_std)
+        segs, order = _group_applied_ops(names, op, applied)
         if not order:
             continue
         perm = torch.tensor(order)
@@ -706,32 +764,17 @@ def rand_augment(
         sel = out[perm]
         results, pos = [], 0
         for cat, seg in segs.items():
-            if not seg:
+            n = sum(len(rows) for _, rows in seg)
+            if not n:
                 continue
-            start, pieces = pos, []
-            for name, rows in seg:
-                s = slice(pos, pos + len(rows))
-                if cat == "lut":
-                    pieces.append(_op_lut(name, sel[s], frac[s]))
-                elif cat == "blend":
-                    base = name.removesuffix("Increasing")
-                    if name.endswith("Increasing"):
-                        factor = (1.0 + 0.9 * lvl[s]).clamp(min=0.1)
-                    else:
-                        factor = frac[s] * 1.8 + 0.1
-                    deg = _BLEND_OPS[base](sel[s]).expand(sel[s].shape)
-                    pieces.append((deg, factor))
-                else:
-                    pieces.extend([name] * len(rows))
-                pos += len(rows)
-            xs = sel[start:pos]
+            s = slice(pos, pos + n)
             if cat == "lut":
-                results.append(_apply_lut(xs, torch.cat(pieces)))
+                results.append(_run_lut_ops(seg, sel[s], frac[s]))
             elif cat == "blend":
-                deg = torch.cat([d for d, _ in pieces])
-                results.append(_blend(deg, xs, torch.cat([f for _, f in pieces])))
+                results.append(_run_blend_ops(seg, sel[s], frac[s], lvl[s]))
             else:
-                results.append(affine(xs, _op_matrices(pieces, lvl[start:pos], h, w), fill))
+                results.append(_run_geometric_ops(seg, sel[s], lvl[s], fill))
+            pos += n
         out[perm] = torch.cat(results)
     return out
 
