@@ -646,83 +646,70 @@ def _op_matrices(kinds: list[str], lvl: torch.Tensor, h: int, w: int) -> torch.T
     return m
 
 
-# One category's ops in a layer: (op name, batch rows) per op, in op-index order.
-_Segment = list[tuple[str, list[int]]]
-_Segments = dict[str, _Segment]  # by category: "lut", "blend", "geo"
+_Segment = list[tuple[str, slice]]  # a category's ops: (name, its rows' slice of the category)
 
 
 def _draw_layer(
-    b: int, gen: torch.Generator, n_ops: int, prob: float, magnitude: float, magnitude_std: float
+    b: int, gen: torch.Generator, ops: Sequence[str], prob: float, mean: float, std: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer's draws per image, in timm's order: op index, applied?, magnitude, sign."""
-    op = torch.randint(n_ops, (b,), generator=gen, device=gen.device)
+    op = torch.randint(len(ops), (b,), generator=gen, device=gen.device)
     applied = _rand((b,), gen) < prob
-    if math.isinf(magnitude_std):
-        mag = _rand((b,), gen) * magnitude
-    elif magnitude_std > 0:
-        mag = magnitude + magnitude_std * torch.randn(
-            b, generator=gen, device=gen.device, dtype=torch.float64
-        )
+    f64 = dict(dtype=torch.float64, device=gen.device)
+    if math.isinf(std):
+        mag = _rand((b,), gen) * mean
+    elif std > 0:
+        mag = mean + std * torch.randn(b, generator=gen, **f64)
     else:
-        mag = torch.full((b,), float(magnitude), dtype=torch.float64, device=gen.device)
+        mag = torch.full((b,), float(mean), **f64)
     # timm's _randomly_negate: negative when random() > 0.5.
-    sign = torch.where(_rand((b,), gen) > 0.5, -1.0, 1.0)
-    return op, applied, mag, sign
+    return op, applied, mag, torch.where(_rand((b,), gen) > 0.5, -1.0, 1.0)
 
 
 def _group_applied_ops(
     names: Sequence[str], op: torch.Tensor, applied: torch.Tensor
-) -> tuple[_Segments, list[int]]:
-    """The applied images grouped by (category, op), and the row order that makes every op a
-    contiguous slice: lookup-table ops, then blends, then geometric ops."""
+) -> tuple[dict[str, _Segment], list[int]]:
+    """Applied images by category and op, and the row order making each a contiguous slice."""
     groups: dict[int, list[int]] = {}
     for i, (k, a) in enumerate(zip(op.tolist(), applied.tolist(), strict=True)):
         if a:
             groups.setdefault(k, []).append(i)
-    segs: _Segments = {"lut": [], "blend": [], "geo": []}
+    segs: dict[str, _Segment] = {"lut": [], "blend": [], "geo": []}
+    rows: dict[str, list[int]] = {cat: [] for cat in segs}
     for k in sorted(groups):
         name = names[k]
         cat = "lut" if name in _LUT_OPS else "geo" if name in _GEOMETRIC else "blend"
-        segs[cat].append((name, groups[k]))
-    order = [i for cat in segs.values() for _, rows in cat for i in rows]
-    return segs, order
+        segs[cat].append((name, slice(len(rows[cat]), len(rows[cat]) + len(groups[k]))))
+        rows[cat] += groups[k]
+    return {c: g for c, g in segs.items() if g}, [i for cat in rows.values() for i in cat]
 
 
-def _run_lut_ops(seg: _Segment, xs: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
+def _run_lut_ops(seg: _Segment, xs: torch.Tensor, frac: torch.Tensor, *_: object) -> torch.Tensor:
     """The point ops of a segment through one table lookup."""
-    luts, pos = [], 0
-    for name, rows in seg:
-        s = slice(pos, pos + len(rows))
-        luts.append(_op_lut(name, xs[s], frac[s]))
-        pos += len(rows)
-    return _apply_lut(xs, torch.cat(luts))
+    return _apply_lut(xs, torch.cat([_op_lut(n, xs[s], frac[s]) for n, s in seg]))
 
 
 def _run_blend_ops(
-    seg: _Segment, xs: torch.Tensor, frac: torch.Tensor, lvl: torch.Tensor
+    seg: _Segment, xs: torch.Tensor, frac: torch.Tensor, lvl: torch.Tensor, *_: object
 ) -> torch.Tensor:
     """The enhance ops of a segment (brightness, color, contrast, sharpness) as one blend."""
-    degs, factors, pos = [], [], 0
-    for name, rows in seg:
-        s = slice(pos, pos + len(rows))
-        if name.endswith("Increasing"):
-            factors.append((1.0 + 0.9 * lvl[s]).clamp(min=0.1))
-        else:
-            factors.append(frac[s] * 1.8 + 0.1)
-        degs.append(_BLEND_OPS[name.removesuffix("Increasing")](xs[s]).expand(xs[s].shape))
-        pos += len(rows)
+    degs = [_BLEND_OPS[n.removesuffix("Increasing")](xs[s]).expand(xs[s].shape) for n, s in seg]
+    factors = [
+        (1.0 + 0.9 * lvl[s]).clamp(min=0.1) if n.endswith("Increasing") else frac[s] * 1.8 + 0.1
+        for n, s in seg
+    ]
     return _blend(torch.cat(degs), xs, torch.cat(factors))
 
 
 def _run_geometric_ops(
-    seg: _Segment,
-    xs: torch.Tensor,
-    lvl: torch.Tensor,
-    fill: Sequence[int] | int,
+    seg: _Segment, xs: torch.Tensor, _: torch.Tensor, lvl: torch.Tensor, fill: Sequence[int] | int
 ) -> torch.Tensor:
     """The geometric ops of a segment through one ``grid_sample``."""
-    kinds = [name for name, rows in seg for _ in rows]
+    kinds = [name for name, s in seg for _ in range(s.stop - s.start)]
     return affine(xs, _op_matrices(kinds, lvl, xs.shape[-2], xs.shape[-1]), fill)
+
+
+_RUN_CATEGORY = {"lut": _run_lut_ops, "blend": _run_blend_ops, "geo": _run_geometric_ops}
 
 
 def rand_augment(
@@ -747,13 +734,12 @@ def rand_augment(
     bicubic) and ``fill`` (default: timm's ImageNet ``img_mean``; ``None`` means black).
     """
     _check_images(x, "rand_augment", uint8=True)
-    b = x.shape[0]
     names = RAND_INCREASING_TRANSFORMS if increasing else RAND_TRANSFORMS
     upper = _LEVEL_DENOM if magnitude_max is None else float(magnitude_max)
     fill = 0 if fill is None else fill
     out = x.clone()
     for _ in range(num_ops):
-        op, applied, mag, sign = _draw_layer(b, gen, len(names), prob, magnitude, magnitude_std)
+        op, applied, mag, sign = _draw_layer(len(x), gen, names, prob, magnitude, magnitude_std)
         segs, order = _group_applied_ops(names, op, applied)
         if not order:
             continue
@@ -761,20 +747,11 @@ def rand_augment(
         frac = (mag.cpu()[perm].clamp(0.0, upper) / _LEVEL_DENOM).to(x.device, non_blocking=True)
         lvl = frac * sign.cpu()[perm].to(x.device, non_blocking=True)
         perm = perm.to(x.device, non_blocking=True)
-        sel = out[perm]
         results, pos = [], 0
-        for cat, seg in segs.items():
-            n = sum(len(rows) for _, rows in seg)
-            if not n:
-                continue
-            s = slice(pos, pos + n)
-            if cat == "lut":
-                results.append(_run_lut_ops(seg, sel[s], frac[s]))
-            elif cat == "blend":
-                results.append(_run_blend_ops(seg, sel[s], frac[s], lvl[s]))
-            else:
-                results.append(_run_geometric_ops(seg, sel[s], lvl[s], fill))
-            pos += n
+        for cat, seg in segs.items():  # one batched call per category present
+            s = slice(pos, pos + seg[-1][1].stop)
+            results.append(_RUN_CATEGORY[cat](seg, out[perm[s]], frac[s], lvl[s], fill))
+            pos = s.stop
         out[perm] = torch.cat(results)
     return out
 
