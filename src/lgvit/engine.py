@@ -50,6 +50,7 @@ from lgvit.optim import (
 from lgvit.preempt import RunControl
 from lgvit.progress import RunClock, StepProgress, format_duration, on_terminal
 from lgvit.rundir import (
+    Resumed,
     RunLock,
     RunLog,
     check_mid_epoch_batch,
@@ -391,14 +392,18 @@ class Run:
 
 
 def run(
-    cfg: TrainConfig, task: Task, explicit: set[str] | frozenset[str] = frozenset()
+    cfg: TrainConfig,
+    task: Task,
+    explicit: set[str] | frozenset[str] = frozenset(),
+    resumed: Resumed | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) a training run of ``task`` as configured; returns the last epoch's
     metrics.
 
     When resuming, the run's saved config is used; only ``out``, ``resume`` and the keys named
     in ``explicit`` (what this invocation set: flags, ``--set``, the YAML file) override it.
-    The run directory is locked for the run's duration (:mod:`lgvit.rundir`).
+    The run directory is locked for the run's duration (:mod:`lgvit.rundir`). ``resumed``:
+    the checkpoint's record as the caller read it to choose the task (not read again).
     """
     from lgvit.runtime import setup_distributed
 
@@ -413,7 +418,7 @@ def run(
     try:
         barrier(d)
         ctl.install()
-        return _run(cfg, task, explicit, d, out, lock, ctl)
+        return _run(cfg, task, explicit, d, out, lock, ctl, resumed)
     finally:
         ctl.restore()
         lock.release()
@@ -515,8 +520,9 @@ def _restore(run: Run, state: dict[str, Any], stem: Path) -> _Position:
 
 
 def _start(
-    cfg: TrainConfig, task: Task, explicit: Any, d: Dist, out: Path, lock: RunLock, ctl: RunControl
-) -> tuple[Run, _Position]:
+    cfg: TrainConfig, task: Task, explicit: Any, d: Dist, out: Path, lock: RunLock,
+    ctl: RunControl, resumed: Resumed | None,
+) -> tuple[Run, _Position]:  # fmt: skip
     """Everything before the first step: config (resumed or not), model and data, weights,
     run files, optimisation, restored state, DDP and compile."""
     log = RunLog(out, d.main)
@@ -534,7 +540,9 @@ def _start(
     model = prepared.model
     rescaled = None
     if stem is not None:  # refused before anything is written, then noted once it starts
-        check_same_classes(stem, prepared.metadata)
+        # read before the lock was taken: used only when it is of the checkpoint resumed
+        known = resumed.record if resumed is not None and resumed.stem == stem else None
+        check_same_classes(stem, prepared.metadata, known)
         rescaled = rescale_resume(state, cfg, len(prepared.train_loader), d.world_size)
     if weights is not None:
         model.load_state_dict(weights)
@@ -659,9 +667,9 @@ def _evaluate_pending(run: Run, pos: _Position) -> None:
 
 def _run(
     cfg: TrainConfig, task: Task, explicit: Any, d: Dist, out: Path, lock: RunLock,
-    ctl: RunControl,
+    ctl: RunControl, resumed: Resumed | None,
 ) -> dict[str, Any]:  # fmt: skip
-    run, pos = _start(cfg, task, explicit, d, out, lock, ctl)
+    run, pos = _start(cfg, task, explicit, d, out, lock, ctl, resumed)
     if pos.pending is not None:
         _evaluate_pending(run, pos)
     t_start = time.time()

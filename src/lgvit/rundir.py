@@ -16,11 +16,13 @@ import os
 import socket
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lgvit.checkpoint import checkpoint_paths
+from lgvit.checkpoint import checkpoint_paths, load_record
 from lgvit.errors import LgvitError
+from lgvit.record import CheckpointRecord
 
 LOCK_NAME = ".lock"
 
@@ -138,6 +140,33 @@ def check_resumable(out: Path, checkpoint: Path, given: Iterable[str] | None = N
         )
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a run resumes, read once where the run is resolved (its record says the
+    task): the engine takes its record instead of opening the file again."""
+
+    stem: Path
+    record: CheckpointRecord
+
+
+def read_resumed(resume: str | None, out: Path | str) -> Resumed | None:
+    """The checkpoint ``--resume`` names and its record; None when not resuming or when there
+    is no readable checkpoint there (the engine reports that, with the run's words)."""
+    if not resume:
+        return None
+    stem = Path(out) / "last" if resume == "auto" else _stem_named(resume)
+    try:
+        return Resumed(stem, load_record(checkpoint_paths(stem)[0], strict=True))
+    except LgvitError:
+        return None
+
+
+def _stem_named(resume: str) -> Path:
+    """The stem ``--resume PATH`` names: a checkpoint's, or a run directory's ``last``."""
+    stem = Path(resume)
+    return stem / "last" if stem.is_dir() else stem
+
+
 def find_resume(resume: str | None, out: Path, given: Iterable[str]) -> Path | None:
     """The checkpoint stem ``--resume`` names (``auto``: ``<out>/last``; None when there is none
     yet: :func:`check_resumable`). Another run's checkpoint may start a new directory but not
@@ -149,9 +178,7 @@ def find_resume(resume: str | None, out: Path, given: Iterable[str]) -> Path | N
         stem = Path(out) / "last"
         check_resumable(stem.parent, checkpoint_paths(stem)[0], given)
         return stem if checkpoint_paths(stem)[0].exists() else None
-    stem = Path(resume)
-    if stem.is_dir():
-        stem = stem / "last"
+    stem = _stem_named(resume)
     if not checkpoint_paths(stem)[0].exists():
         raise LgvitError(f"--resume {resume}: no checkpoint found there")
     found = run_files(out)

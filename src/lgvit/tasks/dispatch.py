@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lgvit.errors import LgvitError
@@ -13,25 +12,16 @@ from lgvit.tasks import DEFAULT_TASK, TASKS, TaskSpec, get_task, task_of_data
 
 if TYPE_CHECKING:
     from lgvit.config import TrainConfig
+    from lgvit.rundir import Resumed
 
 
-def resumed_task(cfg: TrainConfig) -> str:
-    """The task of the run ``cfg.resume`` continues, from its checkpoint's record, else
-    ``cfg.task``: ``lgvit train --out RUN --resume auto`` alone must resume any task's run, and
-    the command line's default task is classification. A task given explicitly that differs is
-    refused by the task's ``identity_keys``; a missing or broken checkpoint is left to the
-    engine to report."""
-    from lgvit.checkpoint import checkpoint_paths, load_record
-
-    if not cfg.resume:
-        return cfg.task
-    stem = Path(cfg.out) / "last" if cfg.resume == "auto" else Path(cfg.resume)
-    if stem.is_dir():
-        stem = stem / "last"
-    try:
-        return load_record(checkpoint_paths(stem)[0], strict=True).task
-    except LgvitError:
-        return cfg.task
+def resumed_task(cfg: TrainConfig, resumed: Resumed | None) -> str:
+    """The task of the run ``cfg.resume`` continues, from its checkpoint's record
+    (``resumed``: :func:`lgvit.rundir.read_resumed`), else ``cfg.task``: ``lgvit train --out
+    RUN --resume auto`` alone must resume any task's run, and the command line's default task
+    is classification. A task given explicitly that differs is refused by the task's
+    ``identity_keys``; a missing or broken checkpoint is left to the engine to report."""
+    return resumed.record.task if resumed is not None else cfg.task
 
 
 def task_of_checkpoint(args: argparse.Namespace) -> TaskSpec:

@@ -7,6 +7,7 @@ from typing import Any
 
 from lgvit.config import TrainConfig
 from lgvit.engine import run
+from lgvit.rundir import read_resumed
 from lgvit.tasks import get_task
 from lgvit.tasks.dispatch import resumed_task
 
@@ -14,4 +15,5 @@ from lgvit.tasks.dispatch import resumed_task
 def train(cfg: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
     """Run (or resume) a run of ``cfg.task`` as configured; returns the last epoch's metrics.
     See :func:`lgvit.engine.run` for resuming and the run directory."""
-    return run(cfg, get_task(resumed_task(cfg)).make_task(), explicit)
+    resumed = read_resumed(cfg.resume, cfg.out)  # once: it says the task, then the classes
+    return run(cfg, get_task(resumed_task(cfg, resumed)).make_task(), explicit, resumed)
