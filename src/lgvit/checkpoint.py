@@ -412,10 +412,15 @@ def load_record(
     return CheckpointRecord.from_meta(meta, path, task)
 
 
-def check_same_classes(stem: Path, meta: dict[str, str]) -> None:
+def check_same_classes(
+    stem: Path, meta: dict[str, str], record: CheckpointRecord | None = None
+) -> None:
     """The data must give the classes (names and order: the label indices) the run trained
-    with; otherwise every label would silently mean another class."""
-    was = load_record(checkpoint_paths(stem)[0], strict=True).classes  # names the file
+    with; otherwise every label would silently mean another class. ``record``: the stem's, when
+    the caller has read it already."""
+    if record is None:
+        record = load_record(checkpoint_paths(stem)[0], strict=True)  # names the file
+    was = record.classes
     new = CheckpointRecord.from_meta(meta, stem).classes
     if was is None or new is None or was == new:
         return
