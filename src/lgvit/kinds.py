@@ -17,7 +17,17 @@ from lgvit.data.coco import COCO_CAT_IDS, COCO_CLASSES, DET_SCALE
 from lgvit.data.segmentation import ADE20K_CLASSES, SEG_CROP, SEG_SCALE
 from lgvit.errors import LgvitError
 
-__all__ = ["DEFAULT_TASK", "DETECTORS", "TASK_KINDS", "TASK_NAMES", "TaskKind", "task_kind"]
+__all__ = [
+    "DEFAULT_TASK",
+    "DETECTOR_SPECS",
+    "DETECTORS",
+    "DetectorSpec",
+    "detector_spec",
+    "TASK_KINDS",
+    "TASK_NAMES",
+    "TaskKind",
+    "task_kind",
+]
 
 
 def _classification_defaults(values: dict[str, Any]) -> dict[str, Any]:
@@ -75,7 +85,47 @@ TASK_KINDS: dict[str, TaskKind] = {
 }  # fmt: skip
 TASK_NAMES = tuple(TASK_KINDS)
 
-DETECTORS = ("retinanet", "maskrcnn")  # a detection checkpoint's ``detector``
+
+@dataclass(frozen=True)
+class DetectorSpec:
+    """One detector a detection checkpoint's ``detector`` names: what the data, training,
+    evaluation and the authors' mmdet files switch on.
+
+    Attributes:
+        name: the ``detector`` key's value (``--detector``).
+        masks: it predicts instance masks (the data must carry them; COCOeval's segm too).
+        label_offset: torchvision's label of the first object class (1 where its background
+            class 0 comes first: two-stage detectors).
+        two_stage: an RPN and RoI heads (the authors' mmdet keys ``rpn_head``/``roi_head``),
+            not one dense head (``bbox_head``).
+        swin_unnormed: pyramid levels the authors' Swin-skeleton backbones leave without a
+            norm in this detector's configs (LIT-S's stride-4 map in Mask R-CNN).
+    """
+
+    name: str
+    masks: bool
+    label_offset: int
+    two_stage: bool
+    swin_unnormed: tuple[int, ...] = ()
+
+
+DETECTOR_SPECS: dict[str, DetectorSpec] = {
+    s.name: s
+    for s in (
+        DetectorSpec("retinanet", masks=False, label_offset=0, two_stage=False),
+        DetectorSpec("maskrcnn", masks=True, label_offset=1, two_stage=True,
+                     swin_unnormed=(0,)),
+    )
+}  # fmt: skip
+DETECTORS = tuple(DETECTOR_SPECS)  # a detection checkpoint's ``detector``
+
+
+def detector_spec(name: str) -> DetectorSpec:
+    """The spec of detector ``name``; an unknown one is one line naming the known ones."""
+    try:
+        return DETECTOR_SPECS[name]
+    except (KeyError, TypeError):
+        raise LgvitError(f"detector {name!r} is not one of {', '.join(DETECTORS)}") from None
 
 
 def task_kind(name: str) -> TaskKind:

@@ -38,9 +38,10 @@ from torchvision.ops import FeaturePyramidNetwork, MultiScaleRoIAlign, roi_align
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxPool
 from torchvision.ops.poolers import _convert_to_roi_format, _filter_input, _setup_scales
 
-from lgvit.config import DETECTORS
+from lgvit.constants import IMAGENET_MEAN, IMAGENET_STD
 from lgvit.dense.backbone import DenseBackbone, create_backbone
 from lgvit.errors import LgvitError
+from lgvit.kinds import DetectorSpec, detector_spec
 from lgvit.models.swin import SwinTransformer
 
 DETECTION_SIZE = 800  # the short side LIT's detection configs train and test at
@@ -125,13 +126,14 @@ def retinanet_anchors(strides: Sequence[int] = (8, 16, 32, 64, 128)) -> Unrounde
     return UnroundedAnchors(sizes, ((0.5, 1.0, 2.0),) * len(strides))
 
 
-def _norm_kwargs(name: str, kind: str) -> dict[str, Any]:
-    """LIT-S's detection backbone (Swin skeleton) has no norm on the stride-4 map."""
-    from lgvit.models import create_model
+def _norm_kwargs(name: str, spec: DetectorSpec) -> dict[str, Any]:
+    """LIT-S's detection backbone (Swin skeleton) has no norm on the stride-4 map in the
+    authors' Mask R-CNN configs."""
+    from lgvit.models.registry import model_class
 
-    with torch.device("meta"):
-        swin = isinstance(create_model(name), SwinTransformer)
-    return {"unnormed": (0,)} if swin and kind == "maskrcnn" else {}
+    if spec.swin_unnormed and issubclass(model_class(name), SwinTransformer):
+        return {"unnormed": spec.swin_unnormed}
+    return {}
 
 
 def create_detector(
@@ -154,8 +156,7 @@ def create_detector(
     (``lit_ti``, or ``lit_ti.coco_retinanet_authors``), downloaded once into the weights cache
     (``cache_dir``, default ``$LGVIT_WEIGHTS_DIR`` or torch hub's).
     """
-    if kind not in DETECTORS:
-        raise LgvitError(f"detector {kind!r} is not one of {', '.join(DETECTORS)}")
+    spec = detector_spec(kind)
     if pretrained:
         from lgvit.dense.pretrained import check_classes, create_released
         from lgvit.models.weights import resolve_weights
@@ -171,9 +172,9 @@ def create_detector(
             backbone_kwargs, cache_dir,
         )  # fmt: skip
     backbone_kwargs.setdefault("img_size", DETECTION_SIZE)  # LIT-S's tables: 800 // 4
-    common = dict(min_size=min_size, max_size=max_size, image_mean=[0.485, 0.456, 0.406],
-                  image_std=[0.229, 0.224, 0.225])  # fmt: skip
-    if kind == "retinanet":
+    common = dict(min_size=min_size, max_size=max_size, image_mean=list(IMAGENET_MEAN),
+                  image_std=list(IMAGENET_STD))  # fmt: skip
+    if not spec.two_stage:
         # The last three stages (strides 8-32 on the four-stage pyramids), then P6 and P7.
         body = create_backbone(backbone, checkpoint_path=checkpoint_path, out_indices=(-3, -2, -1),
                                **backbone_kwargs)  # fmt: skip
@@ -187,7 +188,7 @@ def create_detector(
             **common,
         )  # fmt: skip
     else:
-        kwargs = {**_norm_kwargs(backbone, kind), **backbone_kwargs}
+        kwargs = {**_norm_kwargs(backbone, spec), **backbone_kwargs}
         body = create_backbone(backbone, checkpoint_path=checkpoint_path, **kwargs)
         net = BackboneWithFPN(body, LastLevelMaxPool())
         red = body.feature_info.reduction()  # scale 8 x stride (strides 4-64 on LIT, PVT, Swin)
@@ -195,7 +196,7 @@ def create_detector(
                                    ((0.5, 1.0, 2.0),) * (len(red) + 1))  # fmt: skip
         names = [str(i) for i in range(len(red))]
         model = MaskRCNN(
-            net, num_classes + 1, rpn_anchor_generator=anchors,
+            net, num_classes + spec.label_offset, rpn_anchor_generator=anchors,
             rpn_pre_nms_top_n_train=2000, rpn_post_nms_top_n_train=1000,
             rpn_pre_nms_top_n_test=1000, rpn_post_nms_top_n_test=1000,
             box_roi_pool=AlignedMultiScaleRoIAlign(names, 7, sampling_ratio=0),

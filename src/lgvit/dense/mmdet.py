@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from lgvit.dense.mmseg import backbone_to_lgvit, unwrap_mmseg
+from lgvit.kinds import detector_spec
 
 _NECK = (
     (r"^neck\.lateral_convs\.(\d+)\.conv\.", r"backbone.fpn.inner_blocks.\1.0."),
@@ -82,7 +83,7 @@ def mmdet_to_lgvit(
         sub = {k: v for k, v in sub.items() if not (m := re.match(r"norm(\d+)\.", k))
                or int(m[1]) in body.out_indices}  # fmt: skip
     out = {f"backbone.body.{k}": v for k, v in backbone_to_lgvit(sub, body, source).items()}
-    rules = [*_NECK, *(_RETINA if model.detector == "retinanet" else _MASKRCNN)]
+    rules = [*_NECK, *(_MASKRCNN if detector_spec(model.detector).two_stage else _RETINA)]
     for key, value in state_dict.items():
         if key.startswith("backbone."):
             continue

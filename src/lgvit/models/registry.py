@@ -122,6 +122,14 @@ def get_model_config(name: str) -> ModelConfig:
     return _CONFIGS[name]
 
 
+def model_class(name: str) -> type:
+    """The class registered model ``name`` (or ``name.tag``) builds, read from its
+    constructor's return annotation: asked without building the model."""
+    import typing
+
+    return typing.get_type_hints(_MODELS[_architecture(name)])["return"]
+
+
 def _check_name(name: str) -> None:
     if name not in _MODELS:
         close = [n for n in _MODELS if name.split("_")[0] in n][:8]

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from lgvit.config import DETECTORS
 from lgvit.errors import LgvitError
+from lgvit.kinds import DETECTORS, detector_spec
 from lgvit.tasks import get_task
 from lgvit.tasks.flags import Flag, finite_float
 
@@ -56,7 +56,8 @@ def run_eval(args: argparse.Namespace) -> int:
     model = load_detector(args.checkpoint, args.device, args.model, args.detector)
     info = model.det_info
     split = load_coco_split(args.data_dir, "val", args.cache_dir)
-    if model.detector == "maskrcnn":  # COCOeval's segm reads every annotation's mask
+    spec = detector_spec(model.detector)
+    if spec.masks:  # COCOeval's segm reads every annotation's mask
         require_masks(split)
     if len(split.cat_ids) != len(info["cat_ids"]):  # --any-classes too: label i is category i
         raise LgvitError(
@@ -76,13 +77,13 @@ def run_eval(args: argparse.Namespace) -> int:
     amp = resolve_amp(args.amp, device)
     res = evaluate_detection(model, loader, split, info["label_offset"], Dist(device=device),
                              amp, keep_results=True,
-                             masks=model.detector == "maskrcnn")  # fmt: skip
+                             masks=spec.masks)  # fmt: skip
     results = res.pop("results")
     if args.predictions:
         out = Path(args.predictions)
         atomic_write_bytes(out, json.dumps(results["bbox"]).encode())
         res["predictions"] = str(out)
-        if model.detector == "maskrcnn":
+        if spec.masks:
             segm = out.with_name(out.name.removesuffix(".json") + ".segm.json")
             atomic_write_bytes(segm, json.dumps(results["segm"]).encode())
             res["predictions_segm"] = str(segm)

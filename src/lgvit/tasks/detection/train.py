@@ -22,6 +22,7 @@ from lgvit.config import TrainConfig
 from lgvit.data.segmentation import rescale_size
 from lgvit.engine import Prepared
 from lgvit.errors import LgvitError, first_line
+from lgvit.kinds import detector_spec
 from lgvit.models import is_model
 from lgvit.record import CheckpointRecord
 from lgvit.runtime import Dist, autocast, barrier
@@ -129,13 +130,14 @@ class DetectionTask:
         if self.val.cat_ids != train.cat_ids:
             raise LgvitError(f"{self.val.ann_file}: its categories differ from the training "
                              f"split's ({train.ann_file})")  # fmt: skip
-        masks = cfg.detector == "maskrcnn"
+        spec = detector_spec(cfg.detector)
+        masks = spec.masks
         if masks:  # before the model is built: a file without masks is one line, at once
             require_masks(train)
             require_masks(self.val)
         model = build_detector(cfg, n)
         check_det_scale_memory(cfg, model, d)
-        self.label_offset = 1 if masks else 0
+        self.label_offset = spec.label_offset
         train_loader = DetTrainLoader(train, cfg.batch_size, cfg.seed, d.rank, d.world_size,
                                       cfg.workers, with_masks=masks,
                                       hflip=0.5 if cfg.hflip else 0.0,
@@ -214,7 +216,7 @@ class DetectionTask:
     ) -> dict[str, Any]:
         from lgvit.tasks.detection.evaluate import evaluate_detection
 
-        masks = self.cfg.detector == "maskrcnn"
+        masks = detector_spec(self.cfg.detector).masks
         result = evaluate_detection(model, loader, self.val, self.label_offset, d, amp, desc,
                                     masks=masks)  # fmt: skip
         if result["unreadable"] and d.main:
