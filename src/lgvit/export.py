@@ -39,21 +39,24 @@ def load_source(
     from lgvit.checkpoint import is_size
     from lgvit.inference import load_model
     from lgvit.models import create_model, is_model
+    from lgvit.models.hub import FOLDER_PREFIXES
 
     if img_size is not None and not is_size(img_size):
         raise LgvitError(f"--img-size {img_size}: must be a whole number >= 1")
-    kwargs = {"img_size": img_size} if img_size else {}
-    try:
-        if is_model(source):
+    if is_model(source):  # random weights: no checkpoint to load
+        try:
+            kwargs = {"img_size": img_size} if img_size else {}
             return create_model(source, **kwargs).eval(), False
-        if source.startswith(("local-dir:", "hf-hub:")):
-            return create_model(source, **kwargs).eval(), True
-    except ValueError as e:
-        raise LgvitError(f"{source}: {e}") from None
+        except ValueError as e:
+            raise LgvitError(f"{source}: {e}") from None
     near = (source + s for s in ("", ".safetensors", ".pt", ".pth"))
-    if os.sep not in source and not any(Path(f).exists() for f in near):
+    if (
+        not source.startswith(FOLDER_PREFIXES)
+        and os.sep not in source
+        and not any(Path(f).exists() for f in near)
+    ):
         raise LgvitError(f"{source!r} is neither a registered model nor a checkpoint path")
-    return load_model(source, "cpu", model_name, img_size=img_size).eval(), True
+    return load_model(source, "cpu", model_name, img_size=img_size), True
 
 
 def metadata(model: nn.Module) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""Turning a checkpoint into a ready model: the one path ``eval``, ``predict`` (and later
-``bench``, ``viz``, ``export``) use."""
+"""Turning a checkpoint into a ready model: the one path (:func:`load_eval_model`) every task's
+``eval`` and ``predict``, ``viz`` and ``export`` use; each task adds its builder."""
 
 from __future__ import annotations
 
@@ -35,6 +35,81 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+Resolved = tuple[str, str | None, str | None]  # (checkpoint file, --model, --detector)
+
+
+@dataclass(frozen=True)
+class EvalBuilder:
+    """What a task adds to :func:`load_eval_model`: ``build(checkpoint, record, model_name,
+    detector)`` makes its model from the checkpoint's record and loads the weights into it;
+    ``task`` is the record's task (another task's checkpoint is one line from
+    :func:`~lgvit.checkpoint.load_record`; None: the builder checks); ``build_released``
+    builds a released file's model (to check a download); ``resolve``, where the task names
+    its sources otherwise, replaces the released-name lookup: a ready model, or the file to
+    read with its ``--model`` / ``--detector``."""
+
+    task: str | None
+    build: Callable[[str, Any, str | None, str | None], nn.Module]
+    build_released: Callable[[Any], nn.Module] | None = None
+    resolve: Callable[[str, str | None, str | None], nn.Module | Resolved] | None = None
+
+    def named(self, checkpoint: str, model_name: str | None, detector: str | None) -> Any:
+        if self.resolve is not None:
+            return self.resolve(checkpoint, model_name, detector)
+        from lgvit.dense import pretrained  # read at call time: tests watch it
+
+        assert self.task is not None and self.build_released is not None
+        released = pretrained.released_checkpoint(
+            checkpoint, self.task, self.build_released, model_name, detector
+        )
+        if released is None:
+            return checkpoint, model_name, detector
+        return released[0], released[1].model, released[1].detector  # the cached file, its own
+
+
+def load_eval_model(
+    checkpoint: str,
+    device: str | torch.device | None,
+    builder: EvalBuilder,
+    model_name: str | None = None,
+    detector: str | None = None,
+) -> nn.Module:
+    """The one path from a checkpoint to a ready model, for every task: a released name or a
+    folder resolved (``builder.named``), the record read and checked for the task, the model
+    built and loaded by the task's ``builder``, non-finite weights refused (a diverged run's
+    NaNs would only predict NaN), eval mode on ``device``. Every failure is an
+    :class:`LgvitError` with one line naming the file and the problem."""
+    from lgvit.checkpoint import check_finite_weights, load_record
+
+    found = builder.named(str(checkpoint), model_name, detector)
+    if isinstance(found, nn.Module):
+        model = found
+    else:
+        checkpoint, model_name, detector = found
+        # Checked first: another task's checkpoint or a malformed value is one line, key named.
+        record = load_record(checkpoint, builder.task)
+        model = builder.build(checkpoint, record, model_name, detector)
+    check_finite_weights(model, checkpoint)
+    return model.to(resolve_device(device)).eval()
+
+
+def load_task_weights(
+    model: nn.Module,
+    weights: dict[str, torch.Tensor],
+    checkpoint: str,
+    what: str,
+    authors: tuple[Callable[[Any], bool], Callable[..., Any]],
+) -> None:
+    """``weights`` into ``model`` strictly, the authors' layout (``authors``: its test and its
+    mapping to lgvit's keys) mapped first."""
+    from lgvit.checkpoint import load_into
+
+    is_layout, convert = authors
+    if is_layout(weights):
+        weights = convert(weights, model, str(checkpoint))
+    load_into(model, weights, str(checkpoint), what)
+
+
 def load_model(
     checkpoint: str,
     device: str | torch.device | None = None,
@@ -52,57 +127,62 @@ def load_model(
     ``input_size``), so preprocessing read from the model is the one it was trained with.
     Every failure is an :class:`LgvitError` with one line naming the file and the problem.
     """
-    from lgvit.checkpoint import load_record
-    from lgvit.models import create_model, is_model
-    from lgvit.models.hub import folder_named
+    return load_eval_model(checkpoint, device, classifier_builder(img_size), model_name)
 
-    folder = folder_named(checkpoint)
-    if folder is not None:
-        return _load_folder(folder, checkpoint, device, model_name, img_size)
-    released = _released(checkpoint, model_name)
-    if released is not None:
-        kwargs = {"img_size": img_size} if img_size is not None else {}
-        model = create_model(released, pretrained=True, **kwargs)
-        return model.to(resolve_device(device)).eval()
-    record = load_record(checkpoint)  # a .pth has none; a malformed one: one line, key named
-    if record.is_dense:  # else "Missing key(s) pos_embed", unexplained
-        from lgvit.models.weights import MODEL_WORDS
 
-        what = f"{record.detector or MODEL_WORDS[record.task]} on {record.model or '?'}"
-        raise LgvitError(
-            f"{checkpoint} is a {record.task} checkpoint ({what}), not a classification model: "
-            f"export and viz take classification checkpoints; `lgvit eval` and `lgvit "
-            f"predict` run {record.task} ones"
-        )
-    name = model_name or record.model
-    if not name:
-        from lgvit.checkpoint import load_weights
-
-        load_weights(checkpoint)  # a missing or broken file is reported as such first
-        raise LgvitError(f"{checkpoint}: no model name stored in it; pass --model NAME")
-    if not is_model(name):
-        raise LgvitError(f"unknown model {name!r}; `lgvit info` lists the registered ones")
+def classifier_builder(img_size: int | None = None) -> EvalBuilder:
+    """Classification's part of :func:`load_eval_model`: folders and released names resolved
+    to a model, a checkpoint built by ``create_model`` (at ``img_size`` when given)."""
     kwargs = {"img_size": img_size} if img_size is not None else {}  # 0 is refused, not ignored
-    try:
-        model = create_model(name, checkpoint_path=checkpoint, **kwargs)
-    except ValueError as e:
-        raise LgvitError(f"model {name} from {checkpoint}: {e}") from None
-    from lgvit.checkpoint import check_finite_weights
 
-    check_finite_weights(model, checkpoint)  # a diverged run's NaNs would only predict NaN
-    return model.to(resolve_device(device)).eval()
+    def resolve(checkpoint: str, model_name: str | None, detector: str | None) -> Any:
+        from lgvit.models import create_model
+        from lgvit.models.hub import folder_named
+
+        folder = folder_named(checkpoint)
+        if folder is not None:
+            return _load_folder(folder, checkpoint, model_name, kwargs)
+        released = _released(checkpoint, model_name)
+        if released is not None:
+            return create_model(released, pretrained=True, **kwargs)
+        return checkpoint, model_name, detector
+
+    def build(checkpoint: str, record: Any, model_name: str | None, detector: str | None) -> Any:
+        from lgvit.models import create_model, is_model
+
+        if record.is_dense:  # else "Missing key(s) pos_embed", unexplained
+            from lgvit.models.weights import MODEL_WORDS
+
+            what = f"{record.detector or MODEL_WORDS[record.task]} on {record.model or '?'}"
+            raise LgvitError(
+                f"{checkpoint} is a {record.task} checkpoint ({what}), not a classification "
+                f"model: export and viz take classification checkpoints; `lgvit eval` and "
+                f"`lgvit predict` run {record.task} ones"
+            )
+        name = model_name or record.model
+        if not name:
+            from lgvit.checkpoint import load_weights
+
+            load_weights(checkpoint)  # a missing or broken file is reported as such first
+            raise LgvitError(f"{checkpoint}: no model name stored in it; pass --model NAME")
+        if not is_model(name):
+            raise LgvitError(f"unknown model {name!r}; `lgvit info` lists the registered ones")
+        try:
+            return create_model(name, checkpoint_path=checkpoint, **kwargs)
+        except ValueError as e:
+            raise LgvitError(f"model {name} from {checkpoint}: {e}") from None
+
+    return EvalBuilder(task=None, build=build, resolve=resolve)
 
 
 def _load_folder(
-    folder: str, checkpoint: str, device: Any, model_name: str | None, img_size: int | None
+    folder: str, checkpoint: str, model_name: str | None, kwargs: dict[str, Any]
 ) -> nn.Module:
     """A ``save_pretrained`` folder: the model, classes, mean/std and input size its
     ``config.json`` gives; ``--model``, when given, must be the one it names."""
-    from lgvit.checkpoint import check_finite_weights
     from lgvit.models import create_model
     from lgvit.models.hub import CONFIG_NAME
 
-    kwargs = {"img_size": img_size} if img_size is not None else {}
     try:
         model = create_model(folder, **kwargs)
     except ValueError as e:
@@ -110,8 +190,7 @@ def _load_folder(
     if model_name is not None and model_name != model.model_name:
         raise LgvitError(f"{checkpoint} holds {model.model_name} (its {CONFIG_NAME} names it), "
                          f"but --model {model_name} was given")  # fmt: skip
-    check_finite_weights(model, checkpoint)
-    return model.to(resolve_device(device)).eval()
+    return model
 
 
 def _released(checkpoint: str, model_name: str | None) -> str | None:

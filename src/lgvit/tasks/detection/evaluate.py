@@ -145,18 +145,23 @@ def load_detector(
     ``.pth`` (``model_name`` the backbone, ``detector`` retinanet or maskrcnn; COCO's 80
     classes), or their released file by name (``lit_ti.coco_retinanet_authors``, downloaded
     once). ``model.det_info``: ``classes``, ``cat_ids``, ``label_offset``."""
-    from lgvit.checkpoint import check_finite_weights, load_into, load_record, load_weights
-    from lgvit.dense.detection import create_detector
-    from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
-    from lgvit.dense.pretrained import released_checkpoint
-    from lgvit.inference import resolve_device
+    from lgvit.inference import EvalBuilder, load_eval_model
     from lgvit.tasks.detection import build_released
 
-    released = released_checkpoint(checkpoint, "detection", build_released, model_name, detector)
-    if released is not None:  # a name: the cached file, its backbone and detector
-        checkpoint, model_name, detector = released[0], released[1].model, released[1].detector
-    # Checked first: another task's checkpoint or a malformed value is one line, key named.
-    record = load_record(checkpoint, "detection")
+    builder = EvalBuilder("detection", _build_detector, build_released)
+    return load_eval_model(checkpoint, device, builder, model_name, detector)
+
+
+def _build_detector(
+    checkpoint: str, record: Any, model_name: str | None, detector: str | None
+) -> nn.Module:
+    """Detection's builder for :func:`~lgvit.inference.load_eval_model`: the detector its
+    record describes, the weights (lgvit's or the authors' mmdet layout) loaded."""
+    from lgvit.checkpoint import load_weights
+    from lgvit.dense.detection import create_detector
+    from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
+    from lgvit.inference import load_task_weights
+
     weights = load_weights(checkpoint)
     name, kind = model_name or record.model, detector or record.detector
     if not name or not kind:
@@ -167,10 +172,8 @@ def load_detector(
     long, short = max(scale), min(scale)
     model = create_detector(kind, name, len(classes), min_size=short, max_size=long,
                             img_size=record.img_size)  # fmt: skip
-    if is_mmdet_layout(weights):
-        weights = mmdet_to_lgvit(weights, model, str(checkpoint))
-    load_into(model, weights, str(checkpoint), f"{kind} on {name}")
-    check_finite_weights(model, checkpoint)
+    authors = (is_mmdet_layout, mmdet_to_lgvit)
+    load_task_weights(model, weights, checkpoint, f"{kind} on {name}", authors)
     model.det_info = {"classes": classes, "cat_ids": cat_ids,
                       "label_offset": 1 if kind == "maskrcnn" else 0}  # fmt: skip
-    return model.to(resolve_device(device)).eval()
+    return model

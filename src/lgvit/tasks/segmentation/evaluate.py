@@ -132,35 +132,38 @@ def load_segmenter(
 
     ``model.seg_info`` holds what prediction needs: ``classes``, ``mean``, ``std``,
     ``scale``."""
-    from lgvit.checkpoint import check_finite_weights, load_into, load_record, load_weights
-    from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
-    from lgvit.dense.pretrained import released_checkpoint
-    from lgvit.dense.semfpn import create_segmenter
-    from lgvit.inference import resolve_device
+    from lgvit.inference import EvalBuilder, load_eval_model
     from lgvit.tasks.segmentation import build_released
 
-    released = released_checkpoint(checkpoint, "segmentation", build_released, model_name)
-    if released is not None:  # a name: the cached file, its backbone
-        checkpoint, model_name = released[0], released[1].model
-    # Checked first: another task's checkpoint or a malformed value is one line, key named.
-    record = load_record(checkpoint, "segmentation")
+    builder = EvalBuilder("segmentation", _build_segmenter, build_released)
+    return load_eval_model(checkpoint, device, builder, model_name)
+
+
+def _build_segmenter(
+    checkpoint: str, record: Any, model_name: str | None, detector: str | None
+) -> nn.Module:
+    """Segmentation's builder for :func:`~lgvit.inference.load_eval_model`: the Semantic FPN
+    its record describes, the weights (lgvit's or the authors' mmseg layout) loaded."""
+    from lgvit.checkpoint import load_weights
+    from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
+    from lgvit.dense.semfpn import create_segmenter
+    from lgvit.inference import load_task_weights
+
     weights = load_weights(checkpoint)
     name = model_name or record.model
     if not name:
         raise LgvitError(f"{checkpoint}: no backbone name stored in it; pass --model NAME")
     classes = list(record.classes or ())
     model = create_segmenter(name, len(classes), img_size=record.img_size)
-    if is_mmseg_layout(weights):
-        weights = mmseg_to_lgvit(weights, model, str(checkpoint))
-    load_into(model, weights, str(checkpoint), f"Semantic FPN on {name}")
-    check_finite_weights(model, checkpoint)
+    authors = (is_mmseg_layout, mmseg_to_lgvit)
+    load_task_weights(model, weights, checkpoint, f"Semantic FPN on {name}", authors)
     cfg = model.pretrained_cfg  # the backbone's normalisation, where the checkpoint has none
     model.seg_info = {
         "classes": classes, "scale": list(record.seg_scale), "backbone": name,
         "mean": list(record.mean or cfg.get("mean", (0.485, 0.456, 0.406))),
         "std": list(record.std or cfg.get("std", (0.229, 0.224, 0.225))),
     }  # fmt: skip
-    return model.to(resolve_device(device)).eval()
+    return model
 
 
 def palette(n: int) -> np.ndarray:
