@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from lgvit.errors import LgvitError
+from lgvit.kinds import detector_spec
 from lgvit.progress import StepProgress, on_terminal
 from lgvit.runtime import Dist, autocast
 
@@ -175,5 +176,5 @@ def _build_detector(
     authors = (is_mmdet_layout, mmdet_to_lgvit)
     load_task_weights(model, weights, checkpoint, f"{kind} on {name}", authors)
     model.det_info = {"classes": classes, "cat_ids": cat_ids,
-                      "label_offset": 1 if kind == "maskrcnn" else 0}  # fmt: skip
+                      "label_offset": detector_spec(kind).label_offset}  # fmt: skip
     return model

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lgvit.constants import IMAGENET_MEAN, IMAGENET_STD
 from lgvit.data.segmentation import IGNORE
 from lgvit.errors import LgvitError
 from lgvit.progress import StepProgress, on_terminal
@@ -160,8 +161,8 @@ def _build_segmenter(
     cfg = model.pretrained_cfg  # the backbone's normalisation, where the checkpoint has none
     model.seg_info = {
         "classes": classes, "scale": list(record.seg_scale), "backbone": name,
-        "mean": list(record.mean or cfg.get("mean", (0.485, 0.456, 0.406))),
-        "std": list(record.std or cfg.get("std", (0.229, 0.224, 0.225))),
+        "mean": list(record.mean or cfg.get("mean", IMAGENET_MEAN)),
+        "std": list(record.std or cfg.get("std", IMAGENET_STD)),
     }  # fmt: skip
     return model
 
