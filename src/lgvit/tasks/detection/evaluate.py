@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from lgvit.errors import LgvitError
-from lgvit.kinds import detector_spec
+from lgvit.kinds import DETECTORS, detector_spec
 from lgvit.progress import StepProgress, on_terminal
 from lgvit.runtime import Dist, autocast
 
@@ -167,7 +167,7 @@ def _build_detector(
     name, kind = model_name or record.model, detector or record.detector
     if not name or not kind:
         raise LgvitError(f"{checkpoint}: no backbone or detector stored in it; pass --model "
-                         "NAME and --detector retinanet|maskrcnn")  # fmt: skip
+                         f"NAME and --detector {'|'.join(DETECTORS)}")  # fmt: skip
     classes, cat_ids = list(record.classes or ()), list(record.cat_ids or ())
     scale = record.det_scale  # (long, short) sides
     long, short = max(scale), min(scale)
