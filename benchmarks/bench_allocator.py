@@ -1,4 +1,4 @@
-"""Library users get the CLI's speed with one call: ``lgvit.runtime.tune_cpu_allocator()``.
+"""Library users get the CLI's speed with one call: ``lgvit.core.runtime.tune_cpu_allocator()``.
 
 Runs a model the way a user's own script would (``create_model``, ``torch.autocast``, no lgvit
 command line) in fresh processes, alternately without and with the call, and prints the median
@@ -16,13 +16,13 @@ import statistics
 
 import torch
 
-from lgvit.measure import describe_machine, run_in_fresh_process, time_fn
+from lgvit.tools.measure import describe_machine, run_in_fresh_process, time_fn
 
 
 def measure(model_name: str, batch: int, tuned: bool, train: bool, steps: int) -> float:
     """img/s of ``steps`` bf16 steps (after 2 warm-up steps) in this (fresh) process."""
     import lgvit
-    from lgvit.runtime import tune_cpu_allocator
+    from lgvit.core.runtime import tune_cpu_allocator
 
     if tuned:
         tune_cpu_allocator()

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import alternate_fns  # noqa: E402
 
-from lgvit.measure import describe_machine  # noqa: E402
+from lgvit.tools.measure import describe_machine  # noqa: E402
 
 
 def _pil_decode(path: str) -> torch.Tensor:

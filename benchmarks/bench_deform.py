@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import alternate_fns  # noqa: E402
 
-from lgvit.measure import describe_machine  # noqa: E402
+from lgvit.core.runtime import cpu_bf16_support, tune_cpu_allocator  # noqa: E402
 from lgvit.models.layers.deform import deform_conv2d  # noqa: E402
-from lgvit.runtime import cpu_bf16_support, tune_cpu_allocator  # noqa: E402
+from lgvit.tools.measure import describe_machine  # noqa: E402
 
 # (map side, in channels, out channels) of LIT-Ti's three merges.
 LIT_TI_MERGES = ((56, 64, 128), (28, 128, 320), (14, 320, 512))

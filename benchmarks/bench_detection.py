@@ -21,7 +21,7 @@ normalises and pads to a multiple of 32).
 * Training: ``model(images, targets)`` with 3-8 random boxes per image (labels 0..79 for
   RetinaNet, 1..80 for Mask R-CNN, whose class 0 is background; Mask R-CNN also gets each box
   filled as its uint8 mask), loss = the sum of the loss dict, backward, AdamW.
-* MACs (one image, FlopCounterMode / 2 as ``lgvit.measure``): torchvision's postprocessing has
+* MACs (one image, FlopCounterMode / 2 as ``lgvit.tools.measure``): torchvision's postprocessing has
   data-dependent shapes (``nonzero``, NMS) the meta device cannot run, and with random weights
   the number of RoIs reaching Mask R-CNN's heads is arbitrary anyway. So what is counted is the
   network on the transformed (padded) batch, on the meta device: backbone + FPN + heads, i.e.
@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 from harness import time_infer_train
 
-from lgvit.measure import (
+from lgvit.tools.measure import (
     count_macs_of,
     describe_machine,
     run_in_fresh_process,

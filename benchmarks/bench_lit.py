@@ -44,7 +44,7 @@ from harness import (  # noqa: E402
     results_table,
 )
 
-from lgvit.measure import time_fn  # noqa: E402
+from lgvit.tools.measure import time_fn  # noqa: E402
 
 
 def merging_modules(batch: int, bf16: bool, rounds: int) -> dict[str, float]:

@@ -43,8 +43,8 @@ import torch.nn as nn
 from harness import ProcessRunner, make_step
 
 import lgvit
-from lgvit.measure import count_macs, count_params, matmul_peak_flops
-from lgvit.runtime import tune_cpu_allocator
+from lgvit.core.runtime import tune_cpu_allocator
+from lgvit.tools.measure import count_macs, count_params, matmul_peak_flops
 
 
 def build_authors_model(repo: str) -> nn.Module:  # runs in the authors' worker process
@@ -132,7 +132,7 @@ def main() -> None:
     ap.add_argument(
         "--default-malloc",
         action="store_true",
-        help="do not apply lgvit.runtime.tune_cpu_allocator() to our process",
+        help="do not apply lgvit.core.runtime.tune_cpu_allocator() to our process",
     )
     ap.add_argument(
         "--authors-tuned-malloc",
@@ -144,7 +144,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     if not args.default_malloc:
-        tune_cpu_allocator()  # lgvit's default runtime (lgvit.runtime), as `lgvit train` does
+        tune_cpu_allocator()  # lgvit's default runtime (lgvit.core.runtime), as `lgvit train` does
     else:  # create_model would tune it otherwise
         os.environ["LGVIT_DEFAULT_MALLOC"] = "1"
     ours = lgvit.create_model(args.model)

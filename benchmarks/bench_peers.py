@@ -8,7 +8,7 @@ Every configuration is timed once per round, round after round (medians), so mac
 hits lgvit and timm alike; the ratio column is lgvit's img/s over timm's. bf16 (autocast) rows
 are added where the CPU has native bf16 (AVX-512 bf16 or AMX), or with ``--bf16``.
 ``--no-tune`` leaves glibc's allocator as a user's script would find it (lgvit's CLI tunes it:
-``lgvit.runtime.tune_cpu_allocator``).
+``lgvit.core.runtime.tune_cpu_allocator``).
 
 Both are built with the same stochastic depth, lgvit's default (the papers' recipe: DeiT 0.1,
 Swin-T 0.2; timm's defaults are 0 and 0.1), so a training step does the same work on both sides.
@@ -69,8 +69,8 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    from lgvit.measure import make_step
-    from lgvit.runtime import cpu_bf16_support, tune_cpu_allocator
+    from lgvit.core.runtime import cpu_bf16_support, tune_cpu_allocator
+    from lgvit.tools.measure import make_step
 
     torch.set_num_threads(args.threads)
     if not args.no_tune:

@@ -40,7 +40,7 @@ from lgvit.data.transforms import (
     rand_augment,
     random_erasing,
 )
-from lgvit.measure import describe_machine
+from lgvit.tools.measure import describe_machine
 
 # The papers' GPU inference throughputs (img/s) of models trained with this recipe at 224 px.
 PAPER_RATES = {

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from harness import time_infer_train
 
-from lgvit.measure import (
+from lgvit.tools.measure import (
     count_macs_of,
     describe_machine,
     run_in_fresh_process,

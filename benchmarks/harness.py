@@ -30,7 +30,7 @@ def __getattr__(name: str) -> Any:
     """lgvit's measuring helpers, re-exported lazily: importing this module must not import
     lgvit, so that a spawned worker puts another checkout's ``src`` first and imports that."""
     if name in _FROM_MEASURE:
-        from lgvit import measure
+        from lgvit.tools import measure
 
         return getattr(measure, name)
     raise AttributeError(f"module 'harness' has no attribute {name!r}")
@@ -43,7 +43,7 @@ def time_infer_train(
     """Median seconds of ``infer()`` (eval mode, no grad) and of a training step (``loss()``,
     backward, AdamW lr 1e-4 / weight decay 1e-4), each after one warm-up, under bf16 autocast
     when asked; and the peak RSS (GB) counted from just before the first training step."""
-    from lgvit.measure import peak_rss_mb, reset_peak_rss, time_fn
+    from lgvit.tools.measure import peak_rss_mb, reset_peak_rss, time_fn
 
     def run_infer() -> None:
         model.eval()
@@ -67,7 +67,7 @@ def time_infer_train(
 
 
 def peak_rss_gb() -> float:
-    from lgvit.measure import peak_rss_mb
+    from lgvit.tools.measure import peak_rss_mb
 
     return peak_rss_mb() / 1024
 
@@ -111,7 +111,7 @@ def _worker(
         # this runs: drop that lgvit so the next import finds the other checkout's.
         for mod in [m for m in sys.modules if m == "lgvit" or m.startswith("lgvit.")]:
             del sys.modules[mod]
-    from lgvit.measure import make_step
+    from lgvit.tools.measure import make_step
 
     torch.set_num_threads(threads)
     # The same allocator settings in every process (lgvit's CLI default): without them, a
@@ -121,7 +121,7 @@ def _worker(
     if not tuned_malloc:  # lgvit's create_model would tune it otherwise
         os.environ["LGVIT_DEFAULT_MALLOC"] = "1"
     if tuned_malloc:
-        from lgvit.runtime import tune_cpu_allocator
+        from lgvit.core.runtime import tune_cpu_allocator
 
         tune_cpu_allocator()
     module, fn = builder.split(":")

@@ -26,21 +26,21 @@ import torch
 import torch.nn as nn
 
 import lgvit  # noqa: F401  (registers every lgvit model in timm, where smp's tu- finds it)
-from lgvit.config import TrainConfig, load_config, resolve_config, scaled_lr
-from lgvit.data.segmentation import SegAugment, SegEvalLoader, SegTrainLoader, load_seg_split
-from lgvit.dense.backbone import built_for_dense_size
-from lgvit.measure import describe_machine
-from lgvit.models import get_model_config
-from lgvit.optim import build_optimizer, lr_at, run_epochs, total_steps, warmup_steps
-from lgvit.runtime import (
+from lgvit.core.runtime import (
     autocast,
     resolve_amp,
     seed_everything,
     setup_distributed,
     tune_cpu_allocator,
 )
+from lgvit.data.segmentation import SegAugment, SegEvalLoader, SegTrainLoader, load_seg_split
+from lgvit.dense.backbone import built_for_dense_size
+from lgvit.models import get_model_config
+from lgvit.run.config import TrainConfig, load_config, resolve_config, scaled_lr
+from lgvit.run.optim import build_optimizer, lr_at, run_epochs, total_steps, warmup_steps
 from lgvit.tasks.segmentation.evaluate import evaluate_segmentation, normalise
 from lgvit.tasks.segmentation.train import SegmentationTask, segmentation_loss
+from lgvit.tools.measure import describe_machine
 
 METRICS = ("mIoU", "mAcc", "aAcc")  # lgvit.tasks.segmentation.evaluate.SegMetrics, as mmseg
 RECIPE = resolve_config("cifar_mosaic_semfpn_lit_ti_cpu")  # a shipped config

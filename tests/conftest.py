@@ -22,10 +22,10 @@ def one_epoch(tmp_path):
     """``one_epoch(model, batches, optimizer, cfg, epoch=0, schedule=None)``: one training epoch
     of the classification task on the shared engine, with no data set, run directory or saves
     (a plain list of ``(x, y)`` batches as the loader); returns ``(mean loss, images, step)``."""
-    from lgvit.engine import Optimisation, Prepared, Run, RunLog, train_one_epoch
-    from lgvit.preempt import RunControl
-    from lgvit.progress import RunClock
-    from lgvit.runtime import Dist
+    from lgvit.core.progress import RunClock
+    from lgvit.core.runtime import Dist
+    from lgvit.run.engine import Optimisation, Prepared, Run, RunLog, train_one_epoch
+    from lgvit.run.preempt import RunControl
     from lgvit.tasks.classification.train import ClassificationTask
 
     def run_epoch(model, batches, optimizer, cfg, epoch=0, schedule=None, img_size=0):

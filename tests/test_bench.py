@@ -13,11 +13,11 @@ import torch
 from PIL import Image
 
 import lgvit
-from lgvit.bench import BenchOptions, cpu_peak_memory_mb, format_result, run_bench
 from lgvit.cli import main
-from lgvit.measure import count_macs
 from lgvit.models import get_model_config, list_models
-from lgvit.scaling import fit_exponent, run_scaling
+from lgvit.tools.bench import BenchOptions, cpu_peak_memory_mb, format_result, run_bench
+from lgvit.tools.measure import count_macs
+from lgvit.tools.scaling import fit_exponent, run_scaling
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from lgvit.checkpoint import (
+from lgvit.checkpoints.files import (
     atomic_save,
     atomic_write_bytes,
     build_train_state,
@@ -33,7 +33,7 @@ from lgvit.checkpoint import (
     save_checkpoint,
     state_dict_to_cpu,
 )
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 
 
 def _tiny_model() -> nn.Module:
@@ -380,7 +380,7 @@ def test_saving_weights_only_removes_a_stale_state(tmp_path: Path) -> None:
 _SAVE_LOOP = textwrap.dedent(
     """
     import sys, torch
-    from lgvit.checkpoint import save_checkpoint
+    from lgvit.checkpoints.files import save_checkpoint
     stem = sys.argv[1]
     for step in range(1, 100000):
         w = torch.full((256, 256), float(step))

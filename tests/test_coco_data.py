@@ -17,6 +17,7 @@ import torch
 from det_fixtures import DISC, SQUARE, write_coco_set
 from pycocotools import mask as mask_utils
 
+from lgvit.core.errors import LgvitError
 from lgvit.data.coco import (
     DetEvalLoader,
     DetTrainLoader,
@@ -25,7 +26,6 @@ from lgvit.data.coco import (
     read_detection_sample,
 )
 from lgvit.data.segmentation import sample_rng
-from lgvit.errors import LgvitError
 
 N_TRAIN, N_VAL, EMPTY = 24, 8, 2
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lgvit.config import (
+from lgvit.core.errors import LgvitError
+from lgvit.run.config import (
     TrainConfig,
     config_from_dict,
     config_keys,
@@ -16,7 +17,6 @@ from lgvit.config import (
     save_config,
     scaled_lr,
 )
-from lgvit.errors import LgvitError
 
 
 def _yaml(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:

@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lgvit
-from lgvit.checkpoint import save_checkpoint
-from lgvit.errors import LgvitError
+from lgvit.checkpoints.files import save_checkpoint
+from lgvit.core.errors import LgvitError
 from lgvit.inference import load_model
 from lgvit.models.layers import (
     Attention,

@@ -17,10 +17,10 @@ import pytest
 import torch
 from PIL import Image
 
+from lgvit.core.errors import LgvitError
 from lgvit.data import archives, cifar, decode
 from lgvit.data import datasets as ds
 from lgvit.data.datasets import dataset_names, load_dataset, safe_extract
-from lgvit.errors import LgvitError
 
 REAL_CIFAR = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpeg.tar.gz"
 

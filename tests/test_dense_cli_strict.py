@@ -51,7 +51,7 @@ def test_sigterm_then_resume_auto_with_only_out_matches_an_uninterrupted_run(
     """The command printed after SIGTERM (``lgvit train --out RUN --resume auto``, nothing
     else) resumes a dense run -- it once failed with ``unknown dataset``, the task being
     classification's by default -- and ends with the uninterrupted run's metrics."""
-    from lgvit.checkpoint import load_weights
+    from lgvit.checkpoints.files import load_weights
 
     if task == "segmentation":  # 16 images at batch 8: 2 steps an epoch
         base = [*SEG_TRAIN, "--data-dir", str(seg_root), "--epochs", "2", "--set", "eval_every=2"]
@@ -101,7 +101,7 @@ def test_an_evaluation_that_raises_keeps_the_epoch_and_a_resume_evaluates_it(
     ends with the metrics, history and weights of an uninterrupted run."""
     from test_train import FAST
 
-    from lgvit.checkpoint import load_checkpoint_pair, load_weights
+    from lgvit.checkpoints.files import load_checkpoint_pair, load_weights
     from lgvit.tasks.classification.train import ClassificationTask
 
     # 512 images at batch 128: 4 steps an epoch.
@@ -153,7 +153,7 @@ def dense_checkpoint(path: Path, task: str, edit=None, extra: int = 0, **meta: s
     """A segmentation or detection checkpoint of lsa_micro_cifar as the tasks write them
     (``extra`` classes more than the fixtures' data); ``meta`` replaces metadata values,
     ``edit(weights)`` changes the weights."""
-    from lgvit.atomic import atomic_save_safetensors
+    from lgvit.core.atomic import atomic_save_safetensors
 
     torch.manual_seed(0)
     if task == "segmentation":
@@ -190,7 +190,7 @@ def test_integer_weights_in_a_dense_checkpoint_are_refused(task, seg_root, coco_
                                                            capsys):  # fmt: skip
     """Float weights stored as int32 were cast silently by the dense loaders (eval, predict
     and --initial-checkpoint ran on, with other numbers); classification refused them."""
-    from lgvit.errors import LgvitError
+    from lgvit.core.errors import LgvitError
 
     ckpt = dense_checkpoint(tmp_path / "int.safetensors", task, edit=_as_int32)
     data = ["--data", "segfolder", "--data-dir", str(seg_root)] if task == "segmentation" else \
@@ -214,7 +214,7 @@ def test_integer_weights_in_a_dense_checkpoint_are_refused(task, seg_root, coco_
         model = create_detector("retinanet", "lsa_micro_cifar", 2, min_size=32, max_size=48,
                                 img_size=32)  # fmt: skip
         t = DetectionTask()
-    from lgvit.config import TrainConfig
+    from lgvit.run.config import TrainConfig
 
     t.cfg = TrainConfig(task=task, model="lsa_micro_cifar", data=data[1])
     with pytest.raises(LgvitError, match="is int32, not floating point"):
@@ -273,8 +273,8 @@ def test_flags_dense_eval_cannot_honour_are_one_line(seg_root, coco_root, tmp_pa
     """``--predictions`` on a segmentation checkpoint wrote nothing and ``--tta`` changed
     nothing for detection (or segmentation's flip-translate), silently; ``eval_tta`` in a
     detection training config likewise."""
-    from lgvit.config import TrainConfig, validate_config
-    from lgvit.errors import LgvitError
+    from lgvit.core.errors import LgvitError
+    from lgvit.run.config import TrainConfig, validate_config
 
     seg = dense_checkpoint(tmp_path / "seg.safetensors", "segmentation")
     det = dense_checkpoint(tmp_path / "det.safetensors", "detection")

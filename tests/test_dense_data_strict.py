@@ -17,8 +17,8 @@ from det_fixtures import write_coco_set
 from PIL import Image
 from pycocotools import mask as mask_utils
 
+from lgvit.core.errors import LgvitError
 from lgvit.data.coco import DetEvalLoader, DetTrainLoader, annotations, load_coco_split
-from lgvit.errors import LgvitError
 
 DET_TRAIN = [
     "train", "--task", "detection", "--model", "lsa_micro_cifar", "--data", "coco",
@@ -375,7 +375,7 @@ class _NoDetections(torch.nn.Module):
 
 def test_unreadable_eval_images_are_named_with_the_reason(tmp_path, root):
     """An eval image whose file is not the JSON's size: the result names it and says why."""
-    from lgvit.runtime import Dist
+    from lgvit.core.runtime import Dist
     from lgvit.tasks.detection.evaluate import evaluate_detection
 
     def edit(data):

@@ -227,8 +227,8 @@ def test_bad_annotation_file_is_one_line(coco_root, tmp_path, capsys):
 
 
 def test_step_schedule_milestones_and_iteration_warmup():
-    from lgvit.config import TrainConfig
-    from lgvit.optim import lr_at, warmup_steps
+    from lgvit.run.config import TrainConfig
+    from lgvit.run.optim import lr_at, warmup_steps
 
     cfg = TrainConfig(sched="step", decay_milestones=(8, 11), warmup_iters=500, warmup_lr=1e-7,
                       min_lr=0.0)  # fmt: skip

@@ -1,5 +1,5 @@
-"""The detector spec (lgvit.kinds.DETECTOR_SPECS) is the one place the detectors differ: its
-facts against the detectors built, the Swin question answered without building a model, and no
+"""The detector spec (lgvit.checkpoints.kinds.DETECTOR_SPECS) is the one place the detectors differ:
+its facts against the detectors built, the Swin question answered without building a model, and no
 detector chosen by comparing its name any more."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from lgvit.checkpoints.kinds import DETECTOR_SPECS, DETECTORS, detector_spec
+from lgvit.core.errors import LgvitError
 from lgvit.dense import dense_backbone_names
 from lgvit.dense.detection import create_detector
-from lgvit.errors import LgvitError
-from lgvit.kinds import DETECTOR_SPECS, DETECTORS, detector_spec
 from lgvit.models import create_model
 from lgvit.models.registry import model_class
 from lgvit.models.swin import SwinTransformer

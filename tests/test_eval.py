@@ -18,10 +18,10 @@ from PIL import Image
 
 import lgvit
 from lgvit.cli import main
-from lgvit.constants import IMAGENET_MEAN, IMAGENET_STD
+from lgvit.core.constants import IMAGENET_MEAN, IMAGENET_STD
+from lgvit.core.errors import LgvitError
 from lgvit.data.datasets import load_dataset, load_test_split
 from lgvit.data.imagefolder import natural_key
-from lgvit.errors import LgvitError
 
 
 def write_images(folder: Path, n: int, seed: int, size=(40, 52), name=None) -> list[Path]:
@@ -252,8 +252,8 @@ def test_eval_preprocesses_as_the_model_was_trained(capsys, tmp_path):
 
 def test_resume_refuses_data_whose_classes_moved(tmp_path):
     """A run trained when ``10`` sorted before ``2`` must not resume with the labels renumbered."""
-    from lgvit.atomic import atomic_save_safetensors
-    from lgvit.checkpoint import check_same_classes
+    from lgvit.checkpoints.files import check_same_classes
+    from lgvit.core.atomic import atomic_save_safetensors
 
     old = {"classes": json.dumps(["1", "10", "2"])}
     atomic_save_safetensors({"w": torch.zeros(1)}, tmp_path / "last.safetensors", old)

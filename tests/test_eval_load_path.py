@@ -13,8 +13,8 @@ from PIL import Image
 
 import lgvit
 import lgvit.inference as inference
-from lgvit.atomic import atomic_save_safetensors
 from lgvit.cli import main
+from lgvit.core.atomic import atomic_save_safetensors
 from lgvit.dense.detection import create_detector
 from lgvit.dense.semfpn import create_segmenter
 
@@ -71,9 +71,9 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _loaders() -> dict[str, Any]:
-    from lgvit.export import load_source
     from lgvit.tasks.detection.evaluate import load_detector
     from lgvit.tasks.segmentation.evaluate import load_segmenter
+    from lgvit.tools.export import load_source
 
     return {
         "classification": lambda p: inference.load_model(p, "cpu"),

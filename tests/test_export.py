@@ -11,10 +11,10 @@ import torch
 from PIL import Image
 
 import lgvit
-import lgvit.export as ex
-from lgvit.checkpoint import save_checkpoint
+import lgvit.tools.export as ex
+from lgvit.checkpoints.files import save_checkpoint
 from lgvit.cli import main
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 
 pytest.importorskip("onnxruntime", reason="the export extra is not installed")
 pytest.importorskip("onnxscript", reason="the export extra is not installed")

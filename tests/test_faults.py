@@ -13,9 +13,9 @@ from PIL import Image
 from safetensors.torch import save_file
 from test_train import ENV, FAST, lgvit, one_line_error
 
-from lgvit.checkpoint import load_initial_weights, load_metadata, load_weights
+from lgvit.checkpoints.files import load_initial_weights, load_metadata, load_weights
 from lgvit.cli import main
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.models import create_model
 from lgvit.models.hub import save_pretrained
 
@@ -74,7 +74,7 @@ def test_resume_auto_without_the_checkpoint_is_refused_and_changes_nothing(cut, 
     one_line_error(p, "--resume auto", "holds a run", "last.safetensors")
     assert {f.name: f.read_bytes() for f in run.iterdir()} == before
     # an empty directory (or a new one) still starts a fresh run: nothing to lose there
-    from lgvit.rundir import check_resumable
+    from lgvit.run.rundir import check_resumable
 
     check_resumable(tmp_path / "new", tmp_path / "new" / "last.safetensors")
 
@@ -255,7 +255,7 @@ def test_odd_run_locks_are_one_line(tmp_path, capsys):
     (out / ".lock").write_text(
         json.dumps({"pid": 10**30, "host": __import__("socket").gethostname()})
     )
-    from lgvit.rundir import RunLock
+    from lgvit.run.rundir import RunLock
 
     lock = RunLock(out).acquire()  # a pid no process can have: a stale lock, taken over
     assert "no longer runs" in lock.note
@@ -309,7 +309,7 @@ def test_yaml_alias_bombs_and_unhashable_keys_are_refused(tmp_path, capsys):
 
 
 def test_mid_epoch_resume_with_another_process_count_is_refused(tmp_path):
-    from lgvit.rundir import check_mid_epoch_batch
+    from lgvit.run.rundir import check_mid_epoch_batch
 
     state = {"epoch": 0, "config": {"batch_size": 32},
              "extra": {"mid_epoch": {"batch": 5}, "rng_per_rank": [{}, {}]}}  # fmt: skip

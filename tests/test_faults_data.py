@@ -20,12 +20,12 @@ import torch
 from PIL import Image, ImageOps
 
 from lgvit.cli import main
+from lgvit.core.errors import LgvitError
 from lgvit.data import decode
 from lgvit.data.datasets import load_dataset, read_image_rgb
 from lgvit.data.stream import _DecodeBatches
-from lgvit.errors import LgvitError
 from lgvit.models import create_model
-from lgvit.preempt import Preempted
+from lgvit.run.preempt import Preempted
 
 
 def _png(path: Path, seed: int, size: tuple[int, int] = (8, 8)) -> Path:

@@ -17,11 +17,11 @@ import pytest
 import torch
 from test_train import FAST
 
-from lgvit.checkpoint import load_weights, save_checkpoint
+from lgvit.checkpoints.files import load_weights, save_checkpoint
 from lgvit.cli import main
-from lgvit.engine import Run
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.models import create_model
+from lgvit.run.engine import Run
 
 # ------------------------------------------------------------------- a signal, a finished run
 
@@ -66,7 +66,7 @@ class _FullDisk(io.BytesIO):
 
 
 def _save_on_a_full_disk(stem, monkeypatch) -> Exception:
-    import lgvit.checkpoint as ck
+    import lgvit.checkpoints.files as ck
 
     monkeypatch.setattr(ck, "writing_to", lambda fn: lambda tmp: fn(_FullDisk()))
     with pytest.raises(RuntimeError, match="enforce fail") as e:  # how torch.save reports it
@@ -107,9 +107,9 @@ def test_a_full_disk_while_saving_says_so_and_whether_a_checkpoint_is_kept(tmp_p
 def ex():
     pytest.importorskip("onnxruntime", reason="the export extra is not installed")
     pytest.importorskip("onnxscript", reason="the export extra is not installed")
-    import lgvit.export
+    import lgvit.tools.export
 
-    return lgvit.export
+    return lgvit.tools.export
 
 
 def test_export_refuses_img_size_0_and_opsets_out_of_range(ex, tmp_path):

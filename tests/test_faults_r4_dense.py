@@ -214,8 +214,8 @@ def _check(
 ) -> None:
     """The task's memory check of a shipped ``config`` (or ``model``'s with ``scale``) at each
     (batch size, amp) of ``runs``, on one freshly built model (quick initialisation)."""
-    from lgvit.config import load_config
-    from lgvit.runtime import Dist
+    from lgvit.core.runtime import Dist
+    from lgvit.run.config import load_config
 
     if config is None:
         data = "segfolder" if task == "segmentation" else "coco"

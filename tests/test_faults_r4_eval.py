@@ -54,9 +54,9 @@ def _eval_args(task: str, ckpts: dict[str, Path], data: dict[str, Path]) -> list
 def autocast_seen(monkeypatch: pytest.MonkeyPatch):
     """The autocast state of the CPU at every module's forward (None: none), on a CPU said to
     run bf16 natively, where ``--amp auto`` means bf16 autocast."""
-    import lgvit.runtime
+    import lgvit.core.runtime
 
-    monkeypatch.setattr(lgvit.runtime, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(lgvit.core.runtime, "cpu_supports_bf16", lambda: True)
     seen: set = set()
 
     def hook(module, args, out) -> None:  # noqa: ANN001
@@ -184,8 +184,8 @@ def test_a_class_map_with_a_bom_is_read(text, tmp_path, capsys):
 
 
 def test_a_class_map_not_utf8_is_one_line_naming_the_line(tmp_path):
+    from lgvit.core.errors import LgvitError
     from lgvit.data.imagefolder import load_class_map
-    from lgvit.errors import LgvitError
 
     path = tmp_path / "map.txt"
     path.write_bytes(BOM + b"owl\ncaf\xe9\n")

@@ -14,7 +14,7 @@ from test_weights import SMALL, FakeReleases, _left, _state
 
 import lgvit
 from lgvit.cli import main
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.models.download import ENV_DIR, ENV_MIRROR, record_path
 
 
@@ -138,7 +138,7 @@ def test_export_suffix_and_format_must_agree(tmp_path, capsys):
 
 
 def test_a_failed_atomic_write_names_the_file_not_its_temp_file(tmp_path):
-    from lgvit.atomic import atomic_write, atomic_write_bytes
+    from lgvit.core.atomic import atomic_write, atomic_write_bytes
 
     folder = tmp_path / "d"
     folder.mkdir()
@@ -158,7 +158,7 @@ def test_a_failed_atomic_write_names_the_file_not_its_temp_file(tmp_path):
 def test_export_failing_to_write_its_file_names_the_file(tmp_path, capsys, monkeypatch):
     import errno
 
-    import lgvit.export as ex
+    import lgvit.tools.export as ex
 
     def full_disk(model, fmt, out, *args):
         raise OSError(errno.ENOSPC, "No space left on device", str(out))

@@ -13,10 +13,10 @@ from conftest import quick_init
 from PIL import Image
 
 import lgvit
-from lgvit.checkpoint import save_checkpoint
+from lgvit.checkpoints.files import save_checkpoint
+from lgvit.checkpoints.record import CheckpointRecord
 from lgvit.cli import main
-from lgvit.errors import LgvitError
-from lgvit.record import CheckpointRecord
+from lgvit.core.errors import LgvitError
 
 
 @pytest.fixture(autouse=True)
@@ -175,7 +175,7 @@ def test_predict_takes_the_folder_in_each_form(tmp_path, capsys):
 
 def test_export_takes_the_folder_in_each_form(tmp_path, capsys):
     folder, _ = _twins(tmp_path, ["cat", "dog", "fox"])
-    from lgvit.export import file_metadata
+    from lgvit.tools.export import file_metadata
 
     for i, form in enumerate(_forms(folder)):
         out = tmp_path / f"m{i}.pt2"
@@ -216,7 +216,7 @@ def test_config_values_follow_the_records_rules(tmp_path, capsys, cfg, key, word
 
 
 def test_the_record_and_the_folder_share_one_rule_per_key():
-    from lgvit.record import value_problem
+    from lgvit.checkpoints.record import value_problem
 
     assert value_problem("std", [0.2, 0.2, 0.2]) is None
     assert value_problem("std", [0, 0.2, 0.2]) == "a JSON list of 3 positive numbers"

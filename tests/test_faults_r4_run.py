@@ -13,9 +13,9 @@ import pytest
 from test_eval import eval_args, v2_checkpoint  # noqa: F401 -- its fixture, by name
 from test_train import FAST
 
-from lgvit.checkpoint import load_checkpoint_pair
+from lgvit.checkpoints.files import load_checkpoint_pair
 from lgvit.cli import main
-from lgvit.config import shipped_configs
+from lgvit.run.config import shipped_configs
 
 SYN = ["train", *FAST, "--data", "synthetic", "--amp", "none"]
 

@@ -18,8 +18,8 @@ import yaml
 from PIL import Image
 from test_train import ENV, FAST, _folder, lgvit, metrics, one_line_error
 
-from lgvit.checkpoint import load_checkpoint_pair
-from lgvit.errors import LgvitError
+from lgvit.checkpoints.files import load_checkpoint_pair
+from lgvit.core.errors import LgvitError
 
 SYN = [*FAST, "--data", "synthetic"]  # 512 images, batch 32: 16 steps per epoch
 
@@ -240,8 +240,8 @@ class _Batches:
 
 
 def _epoch(one_epoch, monkeypatch, bad: set[int], on_device: bool, max_nonfinite: int = 5):
-    from lgvit import engine
-    from lgvit.config import TrainConfig
+    from lgvit.run import engine
+    from lgvit.run.config import TrainConfig
 
     monkeypatch.setattr(engine, "skips_on_device", lambda *a: on_device)
     torch.manual_seed(0)
@@ -276,14 +276,14 @@ def test_a_nonfinite_loss_skips_the_fused_step_on_the_device(one_epoch, monkeypa
 
 
 def test_too_many_nonfinite_losses_stop_on_the_device_path_too(one_epoch, monkeypatch):
-    from lgvit.engine import NonFiniteLoss
+    from lgvit.run.engine import NonFiniteLoss
 
     with pytest.raises(NonFiniteLoss, match="2 non-finite losses by epoch 1 step 2"):
         _epoch(one_epoch, monkeypatch, {0, 1}, on_device=True, max_nonfinite=1)
 
 
 def test_flip_test_time_augmentation_averages_the_mirrored_logits():
-    from lgvit.runtime import Dist
+    from lgvit.core.runtime import Dist
     from lgvit.tasks.classification.evaluate import evaluate
 
     torch.manual_seed(0)
@@ -304,7 +304,7 @@ def test_flip_test_time_augmentation_averages_the_mirrored_logits():
 
 
 def test_flip_translate_tta_averages_six_views():
-    from lgvit.runtime import Dist
+    from lgvit.core.runtime import Dist
     from lgvit.tasks.classification.evaluate import evaluate
 
     torch.manual_seed(0)

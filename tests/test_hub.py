@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import lgvit
-from lgvit.checkpoint import save_checkpoint
-from lgvit.errors import LgvitError
+from lgvit.checkpoints.files import save_checkpoint
+from lgvit.core.errors import LgvitError
 
 
 def _logits(model: torch.nn.Module, size: int = 16) -> torch.Tensor:

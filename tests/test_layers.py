@@ -7,7 +7,7 @@ import pytest
 
 import lgvit
 import lgvit.cli as cli
-import lgvit.runtime as runtime
+import lgvit.core.runtime as runtime
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_the_model_zoo_names_every_task_its_files_serve():
 
 
 def test_weights_of_another_task_name_their_builder():
-    from lgvit.errors import LgvitError
+    from lgvit.core.errors import LgvitError
     from lgvit.models.weights import WEIGHTS, resolve_weights
 
     seg = next(w for w in WEIGHTS if w.task == "segmentation")
@@ -72,7 +72,7 @@ def test_weights_of_another_task_name_their_builder():
 
 def test_a_dense_task_s_weights_are_not_a_classifier_s():
     # inference tells a dense task's released file from a classifier's without the tasks
-    from lgvit.errors import LgvitError
+    from lgvit.core.errors import LgvitError
     from lgvit.inference import load_model
     from lgvit.models.weights import WEIGHTS
 

@@ -26,8 +26,8 @@ from test_hardening import SYN
 from test_train import ENV, lgvit, metrics
 
 import lgvit as lg
-from lgvit.checkpoint import load_checkpoint_pair
-from lgvit.config import TrainConfig, config_to_dict
+from lgvit.checkpoints.files import load_checkpoint_pair
+from lgvit.run.config import TrainConfig, config_to_dict
 
 REPO = Path(__file__).resolve().parents[1]
 BEFORE_SPLIT = "73d5263"

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import lgvit
-from lgvit.measure import count_macs, count_params
 from lgvit.models.layers import DeformableTokenMerging
-from lgvit.optim import param_groups
+from lgvit.run.optim import param_groups
+from lgvit.tools.measure import count_macs, count_params
 
 FIXTURE = Path(__file__).parent / "fixtures" / "lit_keys.json"
 LIT = ["lit_ti", "lit_s", "lit_m", "lit_b"]

@@ -12,14 +12,14 @@ import torch.nn as nn
 from det_fixtures import write_coco_set
 from seg_fixtures import write_seg_set
 
-from lgvit.config import TrainConfig
 from lgvit.data.coco import DetEvalLoader, DetTrainLoader, load_coco_split
 from lgvit.data.loader import BatchLoader
 from lgvit.data.protocol import Loader, TrainLoader, check_loaders
 from lgvit.data.segmentation import SegAugment, SegEvalLoader, SegTrainLoader, load_seg_split
 from lgvit.data.splits import FileImageSet
 from lgvit.data.stream import StreamingLoader
-from lgvit.engine import Prepared, run
+from lgvit.run.config import TrainConfig
+from lgvit.run.engine import Prepared, run
 
 TRAIN_LOADERS = [BatchLoader, StreamingLoader, SegTrainLoader, DetTrainLoader]
 EVAL_LOADERS = [SegEvalLoader, DetEvalLoader]

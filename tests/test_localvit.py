@@ -12,9 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lgvit
-from lgvit.measure import count_macs, count_params
 from lgvit.models.layers import Block, LocalityFeedForward, Mlp
 from lgvit.models.localvit import locality_ffn
+from lgvit.tools.measure import count_macs, count_params
 
 FIXTURE = Path(__file__).parent / "fixtures" / "localvit_authors_keys.json"
 LOCALVIT = lgvit.list_models("localvit_*")

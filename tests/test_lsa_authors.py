@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 
 import lgvit
-from lgvit.checkpoint import load_initial_weights, load_weights, save_checkpoint
+from lgvit.checkpoints.files import load_initial_weights, load_weights, save_checkpoint
 from lgvit.cli import main
-from lgvit.errors import LgvitError
-from lgvit.measure import count_params
+from lgvit.core.errors import LgvitError
 from lgvit.models.layers import DropPath
 from lgvit.models.lsa import CIFAR_SHIFTS, shift_patch_index
 from lgvit.models.lsa_authors import AUTHORS_IMAGENET_SHIFTS, SharedNorm
+from lgvit.tools.measure import count_params
 
 FIXTURE = Path(__file__).parent / "fixtures" / "lsa_authors_keys.json"
 AUTHORS = [

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import lgvit
-from lgvit.measure import count_macs, count_params
 from lgvit.models import create_model
 from lgvit.models.layers import as_written, resize_pos_embed
 from lgvit.models.lsa import CIFAR_SHIFTS, LocalShiftAttention, ShiftEmbedding
+from lgvit.tools.measure import count_macs, count_params
 
 # (name, paper params in M): the papers' parameter counts (docs/models.md, per family).
 PAPER_PARAMS = {

@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lgvit import bench, config, export, kinds, plot, scaling, tasks, viz
+from lgvit import tasks
+from lgvit.checkpoints import kinds
 from lgvit.cli import build_parser, main
-from lgvit.errors import LgvitError
-from lgvit.runtime import AMP_MODES, resolve_amp
+from lgvit.core.errors import LgvitError
+from lgvit.core.runtime import AMP_MODES, resolve_amp
+from lgvit.run import config
+from lgvit.tools import bench, export, plot, scaling, viz
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lgvit"
 
@@ -73,14 +76,14 @@ def test_the_config_and_the_tasks_read_the_same_lists():
 
 # Each list -> the one module that may spell it (or a part of it) out as a literal.
 LISTS = {
-    "lgvit/runtime.py": AMP_MODES,
+    "lgvit/core/runtime.py": AMP_MODES,
     "lgvit/tasks/__init__.py": tasks.TTA_MODES,
-    "lgvit/export.py": export.FORMATS,
-    "lgvit/viz.py": viz.KINDS,
-    "lgvit/bench.py": bench.FORMATS,
-    "lgvit/plot.py": plot.FORMATS,
-    "lgvit/scaling.py": scaling.STUDY_NAMES,
-    "lgvit/kinds.py": kinds.DETECTORS,
+    "lgvit/tools/export.py": export.FORMATS,
+    "lgvit/tools/viz.py": viz.KINDS,
+    "lgvit/tools/bench.py": bench.FORMATS,
+    "lgvit/tools/plot.py": plot.FORMATS,
+    "lgvit/tools/scaling.py": scaling.STUDY_NAMES,
+    "lgvit/checkpoints/kinds.py": kinds.DETECTORS,
 }
 
 

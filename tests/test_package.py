@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 from lgvit.cli import main
-from lgvit.config import (
+from lgvit.core.errors import LgvitError
+from lgvit.run.config import (
     config_description,
     load_config,
     resolve_config,
     shipped_configs,
 )
-from lgvit.errors import LgvitError
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_FILES = sorted((REPO / "src" / "lgvit" / "configs").glob("*.yaml"))
@@ -179,7 +179,7 @@ def test_the_wheel_alone_runs_the_demo_from_another_folder(tmp_path) -> None:
     away = tmp_path / "elsewhere"  # no repository beside it, no configs/ folder
     away.mkdir()
     probe = (
-        "import json, sys, lgvit, lgvit.config as c; print(json.dumps({'file': lgvit.__file__, "
+        "import json, sys, lgvit, lgvit.run.config as c; print(json.dumps({'file': lgvit.__file__, "
         f"'config': str(c.resolve_config('{DEMO}')), 'path': sys.path}}))"
     )
     where = json.loads(_run([str(python), "-c", probe], away, env))

@@ -1,9 +1,9 @@
-"""The checkpoint record (issue 39): one typed record of what a checkpoint carries, for every
-task, written and read in one place (``lgvit.record``). Its on-disk form is today's (the same
-keys and JSON strings, byte for byte), a malformed value in any task's header is one line
-naming the file and the key (the dense loaders once raised IndexError or TypeError), keys a
-header lacks take the record's typed defaults, and a dense checkpoint written by the code
-before the record loads through today's eval and predict with the same results."""
+"""The checkpoint record (issue 39): one typed record of what a checkpoint carries, for every task,
+written and read in one place (``lgvit.checkpoints.record``). Its on-disk form is today's (the same
+keys and JSON strings, byte for byte), a malformed value in any task's header is one line naming the
+file and the key (the dense loaders once raised IndexError or TypeError), keys a header lacks take
+the record's typed defaults, and a dense checkpoint written by the code before the record loads
+through today's eval and predict with the same results."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from test_detection import DET_TRAIN
 from test_segmentation import SEG_TRAIN
 from test_train import ENV
 
-from lgvit.atomic import atomic_save_safetensors
-from lgvit.checkpoint import PAIR_ID_KEY, check_same_classes, load_metadata, load_record
+from lgvit.checkpoints.files import PAIR_ID_KEY, check_same_classes, load_metadata, load_record
+from lgvit.checkpoints.record import CheckpointRecord
 from lgvit.cli import main
-from lgvit.errors import LgvitError
-from lgvit.record import CheckpointRecord
+from lgvit.core.atomic import atomic_save_safetensors
+from lgvit.core.errors import LgvitError
 
 REPO = Path(__file__).resolve().parents[1]
 BEFORE_RECORD = "0414c8f"  # the last commit whose three tasks wrote their headers by hand
@@ -73,7 +73,7 @@ def test_a_header_reads_into_typed_fields_and_writes_back_byte_for_byte(task):
 
 def test_the_classification_writer_keeps_its_header():
     """``train.checkpoint_metadata`` through the record: the dict it wrote by hand before."""
-    from lgvit.config import TrainConfig
+    from lgvit.run.config import TrainConfig
     from lgvit.tasks.classification.train import checkpoint_metadata
 
     cfg = TrainConfig(model="lsa_micro_cifar", data="cifar10", patch_size=4)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_train import FAST
 
-import lgvit.checkpoint
+import lgvit.checkpoints.files
 from lgvit.cli import main
 
 SYN = ["train", *FAST, "--data", "synthetic", "--amp", "none"]
@@ -26,13 +26,13 @@ def test_resume_reads_the_record_once(tmp_path: Path, monkeypatch: pytest.Monkey
     _train([*SYN, "--iters", "2", "--out", str(run)])
     capsys.readouterr()
     reads: list[Path] = []
-    load_metadata = lgvit.checkpoint.load_metadata
+    load_metadata = lgvit.checkpoints.files.load_metadata
 
     def counting(path):  # the header reader behind every load_record, wherever imported
         reads.append(Path(path))
         return load_metadata(path)
 
-    monkeypatch.setattr(lgvit.checkpoint, "load_metadata", counting)
+    monkeypatch.setattr(lgvit.checkpoints.files, "load_metadata", counting)
     _train(["train", "--out", str(run), "--resume", "auto", "--iters", "4"])
     assert "resumed from" in capsys.readouterr().out
-    assert reads == [lgvit.checkpoint.checkpoint_paths(run / "last")[0]]
+    assert reads == [lgvit.checkpoints.files.checkpoint_paths(run / "last")[0]]

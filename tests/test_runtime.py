@@ -11,9 +11,9 @@ import warnings
 import pytest
 import torch
 
-from lgvit import runtime
-from lgvit.bench import BenchOptions, format_result, run_bench
 from lgvit.cli import main
+from lgvit.core import runtime
+from lgvit.tools.bench import BenchOptions, format_result, run_bench
 
 # Excerpts of /proc/cpuinfo: an AMX Xeon, an AVX-512-BF16 EPYC, an AVX2-only EPYC, an AVX-512
 # Skylake without bf16 instructions (oneDNN calls it bf16-capable), a Neoverse V1 (Arm BF16).
@@ -105,7 +105,7 @@ def test_tune_cpu_allocator_tunes_the_allocator_unless_told_not_to():
     import sys
 
     # create_model leaves the process alone; the library user's one call tunes it
-    code = ("import lgvit, lgvit.runtime as r; assert not r._done; "
+    code = ("import lgvit, lgvit.core.runtime as r; assert not r._done; "
             "lgvit.create_model('lsa_micro_cifar'); assert not r._done; "
             "lgvit.tune_cpu_allocator(); print(r._done)")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "LGVIT_DEFAULT_MALLOC"}

@@ -16,6 +16,7 @@ from PIL import Image
 from seg_fixtures import CLASSES, write_seg_set
 
 from lgvit.cli import main
+from lgvit.core.errors import LgvitError
 from lgvit.data.segmentation import (
     ADE20K_CLASSES,
     SegAugment,
@@ -29,7 +30,6 @@ from lgvit.data.segmentation import (
 from lgvit.dense import create_backbone
 from lgvit.dense.mmseg import mmseg_to_lgvit
 from lgvit.dense.semfpn import create_segmenter
-from lgvit.errors import LgvitError
 from lgvit.tasks.segmentation.evaluate import SegMetrics
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -269,7 +269,7 @@ SEG_TRAIN = [
 def test_train_resume_eval_predict(seg_root, tmp_path, capsys):
     """A short run learns (mIoU far above chance), an iteration budget stops it, resuming
     continues it exactly, eval reproduces its mIoU, predict writes masks and overlays."""
-    from lgvit.checkpoint import load_weights
+    from lgvit.checkpoints.files import load_weights
 
     base = [*SEG_TRAIN, "--data-dir", str(seg_root)]
     # 24 images at batch 8: 3 steps an epoch; 14 iterations = 5 epochs, the last one cut short.
@@ -324,7 +324,7 @@ def test_backbones_start_from_classification_weights(tmp_path):
     """A classification checkpoint (here a plain .pth, as the authors' releases) becomes the
     backbone; the Swin skeleton built for 512 px gets the 224 px model's bias tables resized."""
     import lgvit
-    from lgvit.config import TrainConfig
+    from lgvit.run.config import TrainConfig
     from lgvit.tasks.segmentation.train import SegmentationTask
 
     cls = lgvit.create_model("lsa_micro_cifar")

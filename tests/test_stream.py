@@ -12,10 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
+from lgvit.core.errors import LgvitError
 from lgvit.data.datasets import FileImageSet, ImageSet, load_dataset
 from lgvit.data.loader import AugmentConfig
 from lgvit.data.stream import StreamingLoader, make_loader, random_resized_box
-from lgvit.errors import LgvitError
 
 
 def _tree(root, n=6, size=(50, 40)):

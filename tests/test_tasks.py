@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lgvit.cli import build_parser, main
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.tasks import ALL_DATASETS, TASK_NAMES, TASKS, get_task
 from lgvit.tasks.flags import COMMANDS, apply_task_flags, task_flags
 
@@ -23,7 +23,7 @@ COMMON = {
 }
 # Task names outside lgvit/tasks, each for a reason that is not choosing a task's behaviour.
 NAMED_OUTSIDE = {
-    "kinds.py": "the checkpoint kinds: each task's name and record defaults, below the models",
+    "checkpoints/kinds.py": "the checkpoint kinds: each task's name and record defaults",
     "data/coco.py": "COCO's annotation field 'segmentation'",
     "models/weights.py": "the released files' table: which task each file is for",
     "dense/detection.py": "the detector builder asks the table for detection weights",
@@ -80,7 +80,7 @@ def test_every_task_has_its_three_modules_and_the_engines_interface():
 
 
 def test_the_registry_is_what_train_and_the_config_read():
-    from lgvit.config import TrainConfig, validate_config
+    from lgvit.run.config import TrainConfig, validate_config
 
     train = next(a for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions
                  if a.dest == "task")  # fmt: skip
@@ -169,8 +169,8 @@ def test_a_choice_outside_the_tasks_own_is_refused():
 def classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A classification checkpoint as lgvit writes it (a tiny model, random weights)."""
     import lgvit
-    from lgvit.checkpoint import save_checkpoint
-    from lgvit.record import CheckpointRecord
+    from lgvit.checkpoints.files import save_checkpoint
+    from lgvit.checkpoints.record import CheckpointRecord
 
     stem = tmp_path_factory.mktemp("cls") / "c"
     model = lgvit.create_model("lsa_micro_cifar", num_classes=10)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from lgvit.config import TrainConfig
-from lgvit.optim import lr_at, param_groups
+from lgvit.run.config import TrainConfig
+from lgvit.run.optim import lr_at, param_groups
 from lgvit.tasks.classification.train import train_size_at
 
 # A tiny, fast run: the micro model at 16px on 512 synthetic images.
@@ -207,7 +207,7 @@ def test_train_eval_predict_plot(tmp_path):
 KILL_AFTER_FIRST_EPOCH = """
 import os, signal, sys
 from lgvit.cli import main
-from lgvit.preempt import RunControl
+from lgvit.run.preempt import RunControl
 
 def kill_after_first(self, epoch, *rest):
     if epoch == 0:

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageEnhance, ImageOps
 
+from lgvit.core.errors import LgvitError
 from lgvit.data import transforms as T
 from lgvit.data.loader import AugmentConfig, BatchLoader, parse_rand_augment
-from lgvit.errors import LgvitError
 
 
 def _gen(seed: int = 0) -> torch.Generator:

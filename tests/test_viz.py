@@ -12,13 +12,13 @@ import torch
 from PIL import Image
 
 import lgvit
-import lgvit.viz as viz
-from lgvit.checkpoint import save_checkpoint
+import lgvit.tools.viz as viz
+from lgvit.checkpoints.files import save_checkpoint
 from lgvit.cli import main
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.models.layers import Attention
 from lgvit.models.lsa import LocalShiftAttention
-from lgvit.plot import plot_runs
+from lgvit.tools.plot import plot_runs
 
 pytest.importorskip("matplotlib", reason="the viz extra is not installed")
 
@@ -216,7 +216,7 @@ def test_plot_overlays_runs(tmp_path, capsys):
 
 
 def test_progress_bar_on_a_terminal_only(capsys):
-    from lgvit.progress import RunClock, StepProgress, format_duration
+    from lgvit.core.progress import RunClock, StepProgress, format_duration
 
     p = StepProgress(3, "epoch 1/2", bar=True)
     p.bar.mininterval = 0  # draw every update (a real bar redraws at most 10 times a second)

@@ -32,7 +32,7 @@ from conftest import quick_init
 
 import lgvit
 from lgvit.cli import main
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.models.download import ENV_DIR, ENV_MIRROR, read_record
 from lgvit.models.weights import WEIGHTS, Weights, find_weights
 

@@ -1,8 +1,8 @@
 """lgvit: locality-enhanced vision transformers in plain PyTorch."""
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
+from lgvit.core.runtime import tune_cpu_allocator
 from lgvit.models import create_model, get_model_config, list_models, register_model
-from lgvit.runtime import tune_cpu_allocator
 
 __version__ = "0.1.0"
 __all__ = [

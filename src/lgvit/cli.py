@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lgvit.config import OPTIMIZERS, SCHEDULES, TrainConfig
-from lgvit.errors import LgvitError
-from lgvit.kinds import DETECTORS
-from lgvit.runtime import AMP_MODES
+from lgvit.checkpoints.kinds import DETECTORS
+from lgvit.core.errors import LgvitError
+from lgvit.core.runtime import AMP_MODES
+from lgvit.run.config import OPTIMIZERS, SCHEDULES, TrainConfig
 from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES
 from lgvit.tasks.flags import add_task_flags
 
@@ -33,8 +33,8 @@ def _one_of(names: Sequence[str]) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from lgvit.measure import model_info
     from lgvit.models import is_model, list_models
+    from lgvit.tools.measure import model_info
 
     names = args.names or list_models()
     for n in names:
@@ -84,19 +84,19 @@ def _released_weights(name: str) -> list[str]:
 
 
 def cmd_weights(args: argparse.Namespace) -> int:
-    from lgvit.weights_cli import run
+    from lgvit.tools.weights import run
 
     return run(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.scaling:
-        from lgvit.scaling import run_scaling
+        from lgvit.tools.scaling import run_scaling
 
         for path in run_scaling(args.scaling, args.out or f"scaling_{args.scaling}", args.quick):
             print(path)
         return 0
-    from lgvit.bench import FORMATS, BenchOptions, format_result, run_bench
+    from lgvit.tools.bench import FORMATS, BenchOptions, format_result, run_bench
 
     if args.format not in FORMATS:
         raise LgvitError(f"--format {args.format!r}: choose {_one_of(FORMATS)}")
@@ -116,7 +116,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from lgvit.export import export
+    from lgvit.tools.export import export
 
     report = export(
         args.source, args.format, args.out, args.img_size, args.dynamic_batch,
@@ -129,7 +129,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from lgvit.config import load_config_with_explicit
+    from lgvit.run.config import load_config_with_explicit
     from lgvit.tasks.run import train
 
     cli = {
@@ -159,7 +159,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_configs(args: argparse.Namespace) -> int:
     from fnmatch import fnmatch
 
-    from lgvit.config import config_description, config_text, shipped_configs
+    from lgvit.run.config import config_description, config_text, shipped_configs
 
     if args.show:  # the file itself, to copy and edit: lgvit configs --show NAME > my.yaml
         sys.stdout.write(config_text(args.show))
@@ -242,7 +242,7 @@ def _run_task_command(args: argparse.Namespace, command: str) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from lgvit.plot import plot_runs
+    from lgvit.tools.plot import plot_runs
 
     labels = args.labels.split(",") if args.labels else None
     print(plot_runs(args.run_dirs, args.out, labels))
@@ -258,7 +258,7 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 def cmd_viz(args: argparse.Namespace) -> int:
-    from lgvit.viz import visualize
+    from lgvit.tools.viz import visualize
 
     paths = visualize(args.checkpoint, args.images, args.what, args.out, args.per_head,
                       args.query, args.positions or (), args.device, args.model)  # fmt: skip
@@ -286,9 +286,9 @@ def _add_info(sub: Any) -> None:
 
 
 def _add_bench(sub: Any) -> None:
-    from lgvit.bench import DEFAULT_BATCH, FORMATS, BenchOptions
-    from lgvit.bench import __doc__ as bench_doc
-    from lgvit.scaling import STUDY_NAMES
+    from lgvit.tools.bench import DEFAULT_BATCH, FORMATS, BenchOptions
+    from lgvit.tools.bench import __doc__ as bench_doc
+    from lgvit.tools.scaling import STUDY_NAMES
 
     p = sub.add_parser(
         "bench",
@@ -335,7 +335,7 @@ def _add_bench(sub: Any) -> None:
 
 
 def _add_export(sub: Any) -> None:
-    from lgvit.export import FORMATS
+    from lgvit.tools.export import FORMATS
 
     p = sub.add_parser(
         "export", help="ONNX, torch.export (.pt2) or the Hugging Face layout, parity-checked"
@@ -373,7 +373,7 @@ def _add_export(sub: Any) -> None:
 
 
 def _add_train(sub: Any) -> None:
-    from lgvit.config import config_help
+    from lgvit.run.config import config_help
 
     keys = "\n".join(f"  {k:20s} {d:24s} {m}" for k, d, m in config_help())
     p = sub.add_parser(
@@ -473,7 +473,7 @@ def _add_predict(sub: Any) -> None:
 
 
 def _add_plot(sub: Any) -> None:
-    from lgvit.plot import DEFAULT_OUT, FORMATS
+    from lgvit.tools.plot import DEFAULT_OUT, FORMATS
 
     p = sub.add_parser(
         "plot", help="training curves of runs, overlaid: top-1, top-5, training loss per epoch"
@@ -486,7 +486,7 @@ def _add_plot(sub: Any) -> None:
 
 
 def _add_viz(sub: Any) -> None:
-    from lgvit.viz import KINDS
+    from lgvit.tools.viz import KINDS
 
     p = sub.add_parser(
         "viz",
@@ -543,9 +543,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     warnings.showwarning = one_line_warning  # warnings are one line too, without source lines
     if args.command in ("train", "eval", "predict", "bench", "export", "viz"):  # they run models
-        from lgvit.runtime import tune_cpu_allocator
+        from lgvit.core.runtime import tune_cpu_allocator
 
-        tune_cpu_allocator()  # large activations reuse heap memory (see lgvit.runtime)
+        tune_cpu_allocator()  # large activations reuse heap memory (see lgvit.core.runtime)
     try:
         return args.func(args)
     except LgvitError as e:

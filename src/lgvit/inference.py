@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lgvit.constants import IMAGE_EXTENSIONS
-from lgvit.errors import LgvitError
+from lgvit.core.constants import IMAGE_EXTENSIONS
+from lgvit.core.errors import LgvitError
 
 
 def default_device() -> torch.device:
@@ -43,7 +43,7 @@ class EvalBuilder:
     """What a task adds to :func:`load_eval_model`: ``build(checkpoint, record, model_name,
     detector)`` makes its model from the checkpoint's record and loads the weights into it;
     ``task`` is the record's task (another task's checkpoint is one line from
-    :func:`~lgvit.checkpoint.load_record`; None: the builder checks); ``build_released``
+    :func:`~lgvit.checkpoints.files.load_record`; None: the builder checks); ``build_released``
     builds a released file's model (to check a download); ``resolve``, where the task names
     its sources otherwise, replaces the released-name lookup: a ready model, or the file to
     read with its ``--model`` / ``--detector``."""
@@ -79,7 +79,7 @@ def load_eval_model(
     built and loaded by the task's ``builder``, non-finite weights refused (a diverged run's
     NaNs would only predict NaN), eval mode on ``device``. Every failure is an
     :class:`LgvitError` with one line naming the file and the problem."""
-    from lgvit.checkpoint import check_finite_weights, load_record
+    from lgvit.checkpoints.files import check_finite_weights, load_record
 
     found = builder.named(str(checkpoint), model_name, detector)
     if isinstance(found, nn.Module):
@@ -102,7 +102,7 @@ def load_task_weights(
 ) -> None:
     """``weights`` into ``model`` strictly, the authors' layout (``authors``: its test and its
     mapping to lgvit's keys) mapped first."""
-    from lgvit.checkpoint import load_into
+    from lgvit.checkpoints.files import load_into
 
     is_layout, convert = authors
     if is_layout(weights):
@@ -161,7 +161,7 @@ def classifier_builder(img_size: int | None = None) -> EvalBuilder:
             )
         name = model_name or record.model
         if not name:
-            from lgvit.checkpoint import load_weights
+            from lgvit.checkpoints.files import load_weights
 
             load_weights(checkpoint)  # a missing or broken file is reported as such first
             raise LgvitError(f"{checkpoint}: no model name stored in it; pass --model NAME")

@@ -14,8 +14,8 @@ from typing import IO
 
 from tqdm import tqdm
 
-from lgvit.atomic import atomic_write, writing_to
-from lgvit.errors import LgvitError
+from lgvit.core.atomic import atomic_write, writing_to
+from lgvit.core.errors import LgvitError
 
 __all__ = [
     "ARCHIVE_SUFFIXES",

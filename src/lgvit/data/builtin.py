@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from lgvit.core.errors import LgvitError
 from lgvit.data.splits import DatasetSplits, ImageSet
-from lgvit.errors import LgvitError
 
 __all__ = ["DIGITS_TEST", "load_digits", "load_synthetic"]
 

@@ -16,11 +16,11 @@ from typing import IO
 import numpy as np
 import torch
 
-from lgvit.constants import CIFAR10_MEAN, CIFAR10_STD, CIFAR100_MEAN, CIFAR100_STD
+from lgvit.core.constants import CIFAR10_MEAN, CIFAR10_STD, CIFAR100_MEAN, CIFAR100_STD
+from lgvit.core.errors import LgvitError
+from lgvit.core.safe_pickle import RestrictedUnpickler
 from lgvit.data.archives import download_checked, file_md5, is_archive
 from lgvit.data.splits import DatasetSplits, ImageSet
-from lgvit.errors import LgvitError
-from lgvit.safe_pickle import RestrictedUnpickler
 
 __all__ = ["CIFAR10_CLASSES", "CIFAR_SPECS", "load_cifar", "safe_unpickle"]
 

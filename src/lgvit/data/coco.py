@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from lgvit.core.errors import LgvitError, refuse_deep_nesting
 from lgvit.data.decode import read_image_rgb
 from lgvit.data.segmentation import EpochLoader, _Items, _keep, own_generator, sample_rng
-from lgvit.errors import LgvitError, refuse_deep_nesting
 
 COCO_DATASETS = ("coco",)
 # The LIT authors' mmdet configs: images resized to fit (long, short) sides 1333 x 800.

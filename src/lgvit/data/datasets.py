@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lgvit.constants import (
+from lgvit.core.constants import (
     CIFAR10_MEAN,
     CIFAR10_STD,
     CIFAR100_MEAN,
@@ -29,13 +29,13 @@ from lgvit.constants import (
     IMAGENET_MEAN,
     IMAGENET_STD,
 )
+from lgvit.core.errors import LgvitError
 from lgvit.data.archives import safe_extract
 from lgvit.data.builtin import DIGITS_TEST, load_digits, load_synthetic
 from lgvit.data.cifar import CIFAR10_CLASSES, CIFAR_SPECS, load_cifar, safe_unpickle
 from lgvit.data.decode import read_image_rgb
 from lgvit.data.imagefolder import load_class_map, load_imagefolder, load_test_folder
 from lgvit.data.splits import DatasetSplits, FileImageSet, ImageSet
-from lgvit.errors import LgvitError
 
 __all__ = [
     "CIFAR10_CLASSES",

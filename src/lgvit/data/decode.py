@@ -22,7 +22,7 @@ import torch
 from PIL import Image, ImageOps
 from tqdm import tqdm
 
-from lgvit.errors import LgvitError, Preempted
+from lgvit.core.errors import LgvitError, Preempted
 
 __all__ = [
     "EXIF_ORIENTATION",

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lgvit.atomic import atomic_write, atomic_write_json
-from lgvit.constants import (
+from lgvit.core.atomic import atomic_write, atomic_write_json
+from lgvit.core.constants import (
     CIFAR10_MEAN,
     CIFAR10_STD,
     CROP_PCT,
@@ -34,6 +34,7 @@ from lgvit.constants import (
     IMAGENET_MEAN,
     IMAGENET_STD,
 )
+from lgvit.core.errors import LgvitError, first_line
 from lgvit.data import archives
 from lgvit.data.cifar import CIFAR10_CLASSES
 from lgvit.data.decode import (
@@ -45,7 +46,6 @@ from lgvit.data.decode import (
     probe_size,
 )
 from lgvit.data.splits import DatasetSplits, FileImageSet, ImageSet
-from lgvit.errors import LgvitError, first_line
 
 __all__ = ["load_class_map", "load_imagefolder", "load_test_folder", "natural_key"]
 
@@ -519,7 +519,7 @@ def _write_cache(base: Path, splits: list[_SplitFiles], img_size: int | None, so
         scratch.unlink(missing_ok=True)
 
 
-# Temp files of a cache build: ``<entry>.tmp-<pid>.npy`` (the decode pass) and lgvit.atomic's
+# Temp files of a cache build: ``<entry>.tmp-<pid>.npy`` (the decode pass) and lgvit.core.atomic's
 # ``.<entry>.npy.tmp-<pid>`` / ``.<entry>.json.tmp-<pid>``.
 _TEMP_NAME = re.compile(r"\.tmp-(\d+)(\.npy)?$")
 

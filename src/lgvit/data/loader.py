@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lgvit.constants import CROP_PCT, IMAGENET_MEAN, IMAGENET_STD
+from lgvit.core.constants import CROP_PCT, IMAGENET_MEAN, IMAGENET_STD
+from lgvit.core.errors import LgvitError
 from lgvit.data.recipe import DEIT_RECIPE, RE_MODES, TRAIN_CROPS
 from lgvit.data.transforms import (
     INTERPOLATIONS,
@@ -31,7 +32,6 @@ from lgvit.data.transforms import (
     random_resized_crop,
     resize_center_crop,
 )
-from lgvit.errors import LgvitError
 
 __all__ = ["AugmentConfig", "BatchLoader", "BatchRecipe", "parse_rand_augment"]
 

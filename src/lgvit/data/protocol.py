@@ -1,6 +1,6 @@
 """The engine's loader contract, which every task's loaders keep.
 
-The engine (:mod:`lgvit.engine`) counts a loader's batches for the epoch's length and the lr
+The engine (:mod:`lgvit.run.engine`) counts a loader's batches for the epoch's length and the lr
 schedule, iterates it, tells it the epoch (and, resuming mid-epoch, the batch to continue at
 with the augmentation stream's saved state), and saves that state in mid-epoch checkpoints.
 An evaluation loader is only counted and iterated, by the task's own ``evaluate``.

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from lgvit.core.errors import LgvitError
 from lgvit.data.decode import TURNED_ORIENTATIONS, exif_orientation, read_image_rgb
-from lgvit.errors import LgvitError
 
 SEG_DATASETS = ("ade20k", "segfolder")
 IGNORE = 255  # the label of pixels not scored

@@ -22,12 +22,12 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from lgvit.core.errors import LgvitError
 from lgvit.data.decode import load_rgb
 from lgvit.data.loader import AugmentConfig, BatchLoader, BatchRecipe, _seed
 from lgvit.data.segmentation import own_generator
 from lgvit.data.splits import FileImageSet, ImageSet
 from lgvit.data.transforms import resize_center_crop
-from lgvit.errors import LgvitError
 
 
 def random_resized_box(

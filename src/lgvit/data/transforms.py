@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 
-from lgvit.constants import CROP_PCT, IMAGENET_MEAN, IMAGENET_STD
-from lgvit.errors import LgvitError
+from lgvit.core.constants import CROP_PCT, IMAGENET_MEAN, IMAGENET_STD
+from lgvit.core.errors import LgvitError
 
 __all__ = [
     "IMAGENET_MEAN",

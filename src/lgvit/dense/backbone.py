@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.models import create_model, list_models
 from lgvit.models.layers.features import FeatureInfo, feature_take_indices
 

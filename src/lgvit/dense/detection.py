@@ -38,10 +38,10 @@ from torchvision.ops import FeaturePyramidNetwork, MultiScaleRoIAlign, roi_align
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxPool
 from torchvision.ops.poolers import _convert_to_roi_format, _filter_input, _setup_scales
 
-from lgvit.constants import IMAGENET_MEAN, IMAGENET_STD
+from lgvit.checkpoints.kinds import DetectorSpec, detector_spec
+from lgvit.core.constants import IMAGENET_MEAN, IMAGENET_STD
+from lgvit.core.errors import LgvitError
 from lgvit.dense.backbone import DenseBackbone, create_backbone
-from lgvit.errors import LgvitError
-from lgvit.kinds import DetectorSpec, detector_spec
 from lgvit.models.swin import SwinTransformer
 
 DETECTION_SIZE = 800  # the short side LIT's detection configs train and test at

@@ -25,7 +25,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 
 # The image whose rescaled size stands for a scale's inputs: a 4:3 photo, (H, W).
 PHOTO_HW = (480, 640)

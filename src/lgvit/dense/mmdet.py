@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from lgvit.checkpoints.kinds import detector_spec
 from lgvit.dense.mmseg import backbone_to_lgvit, unwrap_mmseg
-from lgvit.kinds import detector_spec
 
 _NECK = (
     (r"^neck\.lateral_convs\.(\d+)\.conv\.", r"backbone.fpn.inner_blocks.\1.0."),

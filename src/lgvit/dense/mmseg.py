@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 
 _RENAMES = (
     (re.compile(r"^neck\.lateral_convs\.(\d+)\.conv\."), r"neck.inner_blocks.\1.0."),

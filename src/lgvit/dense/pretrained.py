@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.models.weights import MODEL_WORDS, Weights, find_weights
 
 
@@ -24,7 +24,7 @@ def load_dense_file(model: nn.Module, path: str | Path, what: str) -> None:
     """Load a dense checkpoint file into ``model`` strictly: an lgvit one as it is, the authors'
     mmdet or mmseg layout mapped first (mmdet's is tested first: its FPN neck has mmseg's
     keys too); non-finite weights refused."""
-    from lgvit.checkpoint import check_finite_weights, load_into, load_weights
+    from lgvit.checkpoints.files import check_finite_weights, load_into, load_weights
     from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
     from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
 

@@ -20,8 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchvision.ops import Conv2dNormActivation, FeaturePyramidNetwork
 
+from lgvit.core.errors import LgvitError
 from lgvit.dense.backbone import DenseBackbone, create_backbone
-from lgvit.errors import LgvitError
 
 
 class Upsample2x(nn.Module):

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from lgvit.atomic import atomic_write_json, commit, temp_path
-from lgvit.errors import LgvitError, first_line
+from lgvit.core.atomic import atomic_write_json, commit, temp_path
+from lgvit.core.errors import LgvitError, first_line
+from lgvit.core.safe_pickle import LeftOutWarning, PickledCodeWarning
 from lgvit.models.weights import Weights
-from lgvit.safe_pickle import LeftOutWarning, PickledCodeWarning
 
 ENV_DIR = "LGVIT_WEIGHTS_DIR"
 ENV_MIRROR = "LGVIT_WEIGHTS_MIRROR"

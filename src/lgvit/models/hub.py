@@ -24,9 +24,9 @@ from typing import Any
 
 import torch.nn as nn
 
-from lgvit.atomic import atomic_save_safetensors, atomic_write_bytes
-from lgvit.errors import LgvitError, first_line
-from lgvit.record import is_img_size, is_size, value_problem
+from lgvit.checkpoints.record import is_img_size, is_size, value_problem
+from lgvit.core.atomic import atomic_save_safetensors, atomic_write_bytes
+from lgvit.core.errors import LgvitError, first_line
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -113,7 +113,7 @@ def _rule(want: str, ok: Callable[[Any], bool]) -> Callable[[Any], str | None]:
 
 
 def _record(key: str) -> Callable[[Any], str | None]:
-    """The checkpoint record's rule for the same fact (one home per rule: lgvit.record)."""
+    """The checkpoint record's rule for the same fact (one home per rule: its record)."""
     return lambda v: value_problem(key, v)
 
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.models.base import StagedViT, pyramid_feature_info, stem_of_no_images
 from lgvit.models.layers import (
     LN_EPS,

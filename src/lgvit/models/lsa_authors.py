@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.models.layers import DropPath
 from lgvit.models.lsa import LocallyShiftedViT
 from lgvit.models.registry import (

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from lgvit.constants import CIFAR10_MEAN, CIFAR10_STD, CROP_PCT, IMAGENET_MEAN, IMAGENET_STD
-from lgvit.errors import LgvitError, error_lines, first_line
+from lgvit.core.constants import CIFAR10_MEAN, CIFAR10_STD, CROP_PCT, IMAGENET_MEAN, IMAGENET_STD
+from lgvit.core.errors import LgvitError, error_lines, first_line
 
 if TYPE_CHECKING:
-    from lgvit.record import CheckpointRecord
+    from lgvit.checkpoints.record import CheckpointRecord
 
 # Where a paper's throughput and memory figures were measured (`lgvit bench` names it beside
 # them). The LSA paper gives img/s on a GPU it does not name; the LocalViT paper gives none.
@@ -145,7 +145,7 @@ class ModelArgumentError(LgvitError, ValueError):
 def _check_img_size(size: Any) -> None:
     """``img_size``: a positive int or an (height, width) pair of them (a string such as "32"
     would build a model for another input, a float such as 32.0 fails deep inside)."""
-    from lgvit.checkpoint import is_img_size
+    from lgvit.checkpoints.files import is_img_size
 
     if size is not None and not is_img_size(size):
         raise ModelArgumentError(
@@ -247,7 +247,7 @@ def create_model(
     cfg = _CONFIGS[name]
     weights, record = None, None
     if checkpoint_path is not None:
-        from lgvit.checkpoint import load_record, load_weights
+        from lgvit.checkpoints.files import load_record, load_weights
 
         weights = load_weights(checkpoint_path)
         owner = checkpoint_layout_owner(weights)
@@ -383,7 +383,7 @@ def _load_checkpoint(
     filt = getattr(model, "checkpoint_filter_fn", None)
     weights = filt(weights) if filt is not None else weights
     weights = adapt_first_convs(weights, model, cfg.first_conv)  # RGB weights, in_chans != 3
-    from lgvit.checkpoint import check_weight_dtypes
+    from lgvit.checkpoints.files import check_weight_dtypes
 
     check_weight_dtypes(weights, model.state_dict(), path)  # int or bool where floats belong
     head_w = weights.get(f"{cfg.classifier}.weight")

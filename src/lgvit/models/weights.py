@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 
 __all__ = [
     "Weights",

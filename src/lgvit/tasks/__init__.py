@@ -2,7 +2,7 @@
 
 Each task is a package ``lgvit.tasks.<name>`` with the same three modules:
 
-- ``train``: the task on the shared run (:class:`lgvit.engine.Task`), made by ``make_task()``;
+- ``train``: the task on the shared run (:class:`lgvit.run.engine.Task`), made by ``make_task()``;
 - ``evaluate``: its metrics and the loading of its checkpoints (never imports the engine);
 - ``cli``: ``lgvit eval`` / ``lgvit predict`` of its checkpoints: ``EVAL_FLAGS`` and
   ``PREDICT_FLAGS`` (the flags it reads beyond the common ones), ``run_eval(args)`` and
@@ -10,12 +10,12 @@ Each task is a package ``lgvit.tasks.<name>`` with the same three modules:
 
 and, in its ``__init__``, ``build_released(w)`` (the model a released file of the task loads
 into). What its checkpoints are -- its name, dense or not, the record keys they may lack -- is
-its :class:`lgvit.kinds.TaskKind`, below the model zoo, since the checkpoint record reads it.
-
-:data:`TASKS` below is the only list of the tasks' code: the engine's ``train()``, the config's
+its :class:`lgvit.checkpoints.kinds.TaskKind`, below the model zoo, since the checkpoint
+record reads it.
+ :data:`TASKS` below is the only list of the tasks' code: the engine's ``train()``, the config's
 validation and the command line read it, and nothing outside ``lgvit.tasks`` and
-:mod:`lgvit.kinds` names a task. Adding a task is one folder, one :class:`TaskKind` and one
-:class:`TaskSpec` line. A task's modules are imported on first use, so ``lgvit eval`` and
+:mod:`lgvit.checkpoints.kinds` names a task. Adding a task is one folder, one :class:`TaskKind` and
+one :class:`TaskSpec` line. A task's modules are imported on first use, so ``lgvit eval`` and
 ``predict`` never import training; which task a command runs is :mod:`lgvit.tasks.dispatch`'s.
 """
 
@@ -26,10 +26,10 @@ from importlib import import_module
 from types import ModuleType
 from typing import Any
 
+from lgvit.checkpoints.kinds import DEFAULT_TASK, TASK_KINDS, TASK_NAMES, TaskKind, task_kind
 from lgvit.data.coco import COCO_DATASETS
 from lgvit.data.datasets import DATASETS
 from lgvit.data.segmentation import SEG_DATASETS
-from lgvit.kinds import DEFAULT_TASK, TASK_KINDS, TASK_NAMES, TaskKind, task_kind
 from lgvit.models.weights import MODEL_WORDS
 
 __all__ = ["ALL_DATASETS", "DEFAULT_TASK", "TASKS", "TASK_NAMES", "TTA_MODES", "TaskSpec",
@@ -46,7 +46,8 @@ class TaskSpec:
     asks about it.
 
     Attributes:
-        kind: its checkpoints (:class:`lgvit.kinds.TaskKind`: name, dense, record defaults).
+        kind: its checkpoints (:class:`lgvit.checkpoints.kinds.TaskKind`: name, dense,
+            record defaults).
         datasets: the ``--data`` names it trains and evaluates on.
         eval_tta: the test-time augmentations its evaluation has (``eval_tta``, ``--tta``).
         head: the words for its model in messages ("a classifier", "Semantic FPN").
@@ -84,7 +85,7 @@ class TaskSpec:
         return import_module(f"{self.package}.{part}")
 
     def make_task(self) -> Any:
-        """The task object the engine runs (an :class:`lgvit.engine.Task`)."""
+        """The task object the engine runs (an :class:`lgvit.run.engine.Task`)."""
         return self.module("train").make_task()
 
     def build_released(self, w: Any) -> Any:

@@ -7,17 +7,17 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.tasks import DEFAULT_TASK, TASKS, TaskSpec, get_task, task_of_data
 
 if TYPE_CHECKING:
-    from lgvit.config import TrainConfig
-    from lgvit.rundir import Resumed
+    from lgvit.run.config import TrainConfig
+    from lgvit.run.rundir import Resumed
 
 
 def resumed_task(cfg: TrainConfig, resumed: Resumed | None) -> str:
     """The task of the run ``cfg.resume`` continues, from its checkpoint's record
-    (``resumed``: :func:`lgvit.rundir.read_resumed`), else ``cfg.task``: ``lgvit train --out
+    (``resumed``: :func:`lgvit.run.rundir.read_resumed`), else ``cfg.task``: ``lgvit train --out
     RUN --resume auto`` alone must resume any task's run, and the command line's default task
     is classification. A task given explicitly that differs is refused by the task's
     ``identity_keys``; a missing or broken checkpoint is left to the engine to report."""
@@ -28,10 +28,10 @@ def task_of_checkpoint(args: argparse.Namespace) -> TaskSpec:
     """The task ``lgvit eval`` / ``predict`` runs: the checkpoint's record says it; a file
     without one (the authors' ``.pth``) by the released weights' table, then by ``--data`` or a
     flag that implies a task (``--detector``); else classification."""
-    from lgvit.checkpoint import load_metadata
+    from lgvit.checkpoints.files import load_metadata
+    from lgvit.checkpoints.record import CheckpointRecord
     from lgvit.models.hub import folder_named
     from lgvit.models.weights import find_weights
-    from lgvit.record import CheckpointRecord
 
     if folder_named(args.checkpoint) is not None:  # save_pretrained writes classifiers only
         return get_task(DEFAULT_TASK)

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.tasks import TASKS, TaskSpec
 
 COMMANDS = {"eval": "EVAL_FLAGS", "predict": "PREDICT_FLAGS"}

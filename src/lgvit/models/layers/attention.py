@@ -13,10 +13,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lgvit.core.runtime import cpu_bf16_support
 from lgvit.models.layers.helpers import Grid, to_2tuple, tokens_to_map
 from lgvit.models.layers.pos_embed import grid_differs, grid_of_rel_table, resize_rel_pos_table
 from lgvit.models.layers.weight_init import trunc_normal_
-from lgvit.runtime import cpu_bf16_support
 
 LN_EPS = 1e-6  # DeiT / the LSA authors' LayerNorm epsilon
 
@@ -262,7 +262,7 @@ class Attention(nn.Module):
             self.norm = (norm_layer or _default_norm)(dim)
         self.rel_pos = RelativePositionBias(rel_pos_grid, num_heads) if rel_pos_grid else None
         self.qk_scale = qk_scale
-        # A list while attention is being captured (lgvit.viz.capture_attention): each call
+        # A list while attention is being captured (lgvit.tools.viz.capture_attention): each call
         # appends (probabilities (B, H, N, M), grid). None costs one test per call.
         self.captured: list[tuple[torch.Tensor, Grid | None]] | None = None
         # Queries and keys/values of the same tokens in one matmul (without spatial reduction):

@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.tasks import get_task
 from lgvit.tasks.flags import Flag, finite_float
 
@@ -51,14 +51,14 @@ def run_eval(args: argparse.Namespace) -> int:
         raise LgvitError(f"{args.checkpoint} is a classifier; evaluate it on one of "
                          f"{', '.join(get_task('classification').datasets)}")  # fmt: skip
     if args.predictions:  # checked before the whole evaluation runs
-        from lgvit.atomic import check_writable
+        from lgvit.core.atomic import check_writable
 
         check_writable(args.predictions, "--predictions")
+    from lgvit.core.runtime import Dist, precision_name, resolve_amp
     from lgvit.data.datasets import FileImageSet, load_test_split
     from lgvit.data.loader import AugmentConfig
     from lgvit.data.stream import make_loader
     from lgvit.inference import load_model, resolve_preprocessing
-    from lgvit.runtime import Dist, precision_name, resolve_amp
     from lgvit.tasks.classification.evaluate import (
         RealLabels,
         TopKRecorder,
@@ -165,8 +165,8 @@ def run_predict(args: argparse.Namespace) -> int:
     """The top-k classes of each image, with their probabilities."""
     import torch
 
+    from lgvit.core.runtime import autocast, precision_name
     from lgvit.inference import load_model, preprocess_images
-    from lgvit.runtime import autocast, precision_name
 
     if args.topk < 1:
         raise LgvitError(f"--topk {args.topk}: must be at least 1")

@@ -17,11 +17,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lgvit.atomic import atomic_write_bytes
+from lgvit.core.atomic import atomic_write_bytes
+from lgvit.core.errors import LgvitError, first_line, refuse_deep_nesting
+from lgvit.core.progress import StepProgress, on_terminal
+from lgvit.core.runtime import Dist, all_reduce_sum, autocast
 from lgvit.data.protocol import Loader
-from lgvit.errors import LgvitError, first_line, refuse_deep_nesting
-from lgvit.progress import StepProgress, on_terminal
-from lgvit.runtime import Dist, all_reduce_sum, autocast
 from lgvit.tasks import TTA_MODES
 
 

@@ -1,4 +1,4 @@
-"""Image classification on the shared run (:mod:`lgvit.engine`): the DeiT recipe of the papers,
+"""Image classification on the shared run (:mod:`lgvit.run.engine`): the DeiT recipe of the papers,
 on one CPU, one GPU or many (torchrun).
 
 The task brings its model (checked to run at the configured sizes before any data loads), its
@@ -17,17 +17,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lgvit.config import TrainConfig, config_keys
+from lgvit.checkpoints.record import CheckpointRecord
+from lgvit.core.errors import LgvitError, first_line
+from lgvit.core.runtime import Dist, autocast, barrier
 from lgvit.data.datasets import DatasetSplits, load_dataset
 from lgvit.data.loader import AugmentConfig
 from lgvit.data.stream import make_loader
 from lgvit.data.transforms import soft_target_cross_entropy
-from lgvit.engine import Prepared
-from lgvit.errors import LgvitError, first_line
 from lgvit.models import create_model, get_model_config, is_model, list_models
-from lgvit.optim import param_groups
-from lgvit.record import CheckpointRecord
-from lgvit.runtime import Dist, autocast, barrier
+from lgvit.run.config import TrainConfig, config_keys
+from lgvit.run.engine import Prepared
+from lgvit.run.optim import param_groups
 from lgvit.tasks.classification.evaluate import evaluate
 
 
@@ -144,7 +144,7 @@ def checkpoint_metadata(cfg: TrainConfig, img_size: int, splits: DatasetSplits) 
 
 @dataclass
 class ClassificationTask:
-    """Image classification (:class:`lgvit.engine.Task`)."""
+    """Image classification (:class:`lgvit.run.engine.Task`)."""
 
     # Keys that define what a run trains: a resume may not change them.
     identity_keys: tuple[str, ...] = (

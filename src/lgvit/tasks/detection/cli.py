@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from lgvit.errors import LgvitError
-from lgvit.kinds import DETECTORS, detector_spec
+from lgvit.checkpoints.kinds import DETECTORS, detector_spec
+from lgvit.core.errors import LgvitError
 from lgvit.tasks import get_task
 from lgvit.tasks.flags import Flag, finite_float
 
@@ -42,15 +42,15 @@ def run_eval(args: argparse.Namespace) -> int:
     """COCO bbox (and segm) AP of a detection checkpoint on ``--data-dir``'s val split, by
     pycocotools' COCOeval; ``--predictions F.json`` keeps the detections in COCO's results
     format (bbox in F.json, masks in F.segm.json) for anyone to rerun COCOeval on."""
-    from lgvit.atomic import atomic_write_bytes
+    from lgvit.core.atomic import atomic_write_bytes
+    from lgvit.core.runtime import Dist, precision_name, resolve_amp
     from lgvit.data.coco import COCO_DATASETS, DetEvalLoader, load_coco_split, require_masks
-    from lgvit.runtime import Dist, precision_name, resolve_amp
     from lgvit.tasks.detection.evaluate import STATS, evaluate_detection, load_detector
 
     if args.data not in COCO_DATASETS:
         raise LgvitError(f"{args.checkpoint} is a detector; evaluate it on --data coco")
     if args.predictions:  # checked before the whole evaluation runs
-        from lgvit.atomic import check_writable
+        from lgvit.core.atomic import check_writable
 
         check_writable(args.predictions, "--predictions")
     model = load_detector(args.checkpoint, args.device, args.model, args.detector)
@@ -116,9 +116,9 @@ def run_predict(args: argparse.Namespace) -> int:
     tinted, those scoring at least ``--score-thr``) and ``NAME_det.json`` (every detection: box
     ``[x1, y1, x2, y2]`` in pixels, class name, COCO category id, score; also printed with
     ``--json``), NAME distinct per input (:func:`~lgvit.inference.output_stems`)."""
-    from lgvit.atomic import atomic_write_bytes
+    from lgvit.core.atomic import atomic_write_bytes
+    from lgvit.core.runtime import precision_name
     from lgvit.inference import expand_images, images_with_outputs, report_predictions
-    from lgvit.runtime import precision_name
     from lgvit.tasks.detection.evaluate import detect, load_detector
     from lgvit.tasks.segmentation.cli import save_png
     from lgvit.tasks.segmentation.evaluate import palette

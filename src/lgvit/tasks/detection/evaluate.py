@@ -20,10 +20,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from lgvit.errors import LgvitError
-from lgvit.kinds import DETECTORS, detector_spec
-from lgvit.progress import StepProgress, on_terminal
-from lgvit.runtime import Dist, autocast
+from lgvit.checkpoints.kinds import DETECTORS, detector_spec
+from lgvit.core.errors import LgvitError
+from lgvit.core.progress import StepProgress, on_terminal
+from lgvit.core.runtime import Dist, autocast
 
 STATS = ("AP", "AP50", "AP75", "APs", "APm", "APl")  # COCOeval's stats[0:6]
 
@@ -158,7 +158,7 @@ def _build_detector(
 ) -> nn.Module:
     """Detection's builder for :func:`~lgvit.inference.load_eval_model`: the detector its
     record describes, the weights (lgvit's or the authors' mmdet layout) loaded."""
-    from lgvit.checkpoint import load_weights
+    from lgvit.checkpoints.files import load_weights
     from lgvit.dense.detection import create_detector
     from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
     from lgvit.inference import load_task_weights

@@ -1,4 +1,4 @@
-"""Object detection and instance segmentation on the shared run (:mod:`lgvit.engine`):
+"""Object detection and instance segmentation on the shared run (:mod:`lgvit.run.engine`):
 torchvision's RetinaNet and Mask R-CNN on any pyramid model, LIT's COCO 1x recipe
 (the shipped configs coco_*).
 
@@ -18,14 +18,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lgvit.config import TrainConfig
+from lgvit.checkpoints.kinds import detector_spec
+from lgvit.checkpoints.record import CheckpointRecord
+from lgvit.core.errors import LgvitError, first_line
+from lgvit.core.runtime import Dist, autocast, barrier
 from lgvit.data.segmentation import rescale_size
-from lgvit.engine import Prepared
-from lgvit.errors import LgvitError, first_line
-from lgvit.kinds import detector_spec
 from lgvit.models import is_model
-from lgvit.record import CheckpointRecord
-from lgvit.runtime import Dist, autocast, barrier
+from lgvit.run.config import TrainConfig
+from lgvit.run.engine import Prepared
 
 
 def build_detector(cfg: TrainConfig, num_classes: int) -> nn.Module:
@@ -101,7 +101,7 @@ def detection_loss(losses: dict[str, torch.Tensor]) -> torch.Tensor:
 
 @dataclass
 class DetectionTask:
-    """Object detection / instance segmentation (:class:`lgvit.engine.Task`)."""
+    """Object detection / instance segmentation (:class:`lgvit.run.engine.Task`)."""
 
     # det_scale and img_size set the input size (and LIT-S's bias tables): a resume keeps them.
     identity_keys: tuple[str, ...] = (
@@ -166,7 +166,7 @@ class DetectionTask:
         """``--initial-checkpoint``: a detection checkpoint (lgvit's, or the authors' mmdet
         ``.pth``) fine-tunes the whole detector; anything else is the backbone's
         classification weights (lgvit's, the authors' ``.pth``, timm's), head left out."""
-        from lgvit.checkpoint import load_into, load_weights
+        from lgvit.checkpoints.files import load_into, load_weights
         from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
         from lgvit.models import create_model
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.tasks import get_task
 from lgvit.tasks.flags import Flag
 
@@ -34,8 +34,8 @@ REFUSAL_HINTS = {  # (command, flag): what to do instead, after the one-line ref
 def run_eval(args: argparse.Namespace) -> int:
     """mIoU, mAcc, aAcc and per-class IoU of a segmentation checkpoint on a split's whole
     images (mmseg's single-scale ``whole`` inference; ``--tta flip``: its flip test)."""
+    from lgvit.core.runtime import Dist, precision_name, resolve_amp
     from lgvit.data.segmentation import SEG_DATASETS, SegEvalLoader, load_seg_split
-    from lgvit.runtime import Dist, precision_name, resolve_amp
     from lgvit.tasks.segmentation.evaluate import evaluate_segmentation, load_segmenter
 
     if args.data not in SEG_DATASETS:
@@ -94,10 +94,10 @@ def run_predict(args: argparse.Namespace) -> int:
     The image is read as stored, as evaluation reads an image beside its mask: the mask has the
     file's pixel grid (a mask for it as a data set holds one) and the overlay is drawn on those
     pixels; both carry the image's EXIF orientation tag, so a viewer turns them as the photo."""
+    from lgvit.core.runtime import precision_name
     from lgvit.data.decode import exif_orientation
     from lgvit.data.segmentation import eval_sample
     from lgvit.inference import expand_images, images_with_outputs, report_predictions
-    from lgvit.runtime import precision_name
     from lgvit.tasks.segmentation.evaluate import load_segmenter, palette, predict_logits
 
     if not args.out:
@@ -135,7 +135,7 @@ def save_png(img: Image.Image, path: Path, orientation: int = 1) -> None:
     """``img`` as a PNG at ``path``, atomically; an EXIF ``orientation`` tag other than 1 kept."""
     import io
 
-    from lgvit.atomic import atomic_write_bytes
+    from lgvit.core.atomic import atomic_write_bytes
     from lgvit.data.decode import EXIF_ORIENTATION
 
     buf = io.BytesIO()

@@ -20,11 +20,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lgvit.constants import IMAGENET_MEAN, IMAGENET_STD
+from lgvit.core.constants import IMAGENET_MEAN, IMAGENET_STD
+from lgvit.core.errors import LgvitError
+from lgvit.core.progress import StepProgress, on_terminal
+from lgvit.core.runtime import Dist, all_reduce_sum, autocast
 from lgvit.data.segmentation import IGNORE
-from lgvit.errors import LgvitError
-from lgvit.progress import StepProgress, on_terminal
-from lgvit.runtime import Dist, all_reduce_sum, autocast
 
 
 class SegMetrics:
@@ -145,7 +145,7 @@ def _build_segmenter(
 ) -> nn.Module:
     """Segmentation's builder for :func:`~lgvit.inference.load_eval_model`: the Semantic FPN
     its record describes, the weights (lgvit's or the authors' mmseg layout) loaded."""
-    from lgvit.checkpoint import load_weights
+    from lgvit.checkpoints.files import load_weights
     from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
     from lgvit.dense.semfpn import create_segmenter
     from lgvit.inference import load_task_weights

@@ -1,4 +1,4 @@
-"""Semantic segmentation on the shared run (:mod:`lgvit.engine`): Semantic FPN on any pyramid
+"""Semantic segmentation on the shared run (:mod:`lgvit.run.engine`): Semantic FPN on any pyramid
 model, LIT's ADE20K recipe (the shipped configs ade20k_semfpn_*).
 
 The task brings the segmenter (:mod:`lgvit.dense`), the data and mmseg's pipelines
@@ -16,7 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lgvit.config import TrainConfig
+from lgvit.checkpoints.record import CheckpointRecord
+from lgvit.core.errors import LgvitError, first_line
+from lgvit.core.runtime import Dist, autocast, barrier
 from lgvit.data.segmentation import (
     IGNORE,
     SEG_CROP,
@@ -27,11 +29,9 @@ from lgvit.data.segmentation import (
     rescale_size,
     resize_pair,
 )
-from lgvit.engine import Prepared
-from lgvit.errors import LgvitError, first_line
 from lgvit.models import get_model_config, is_model
-from lgvit.record import CheckpointRecord
-from lgvit.runtime import Dist, autocast, barrier
+from lgvit.run.config import TrainConfig
+from lgvit.run.engine import Prepared
 from lgvit.tasks.segmentation.evaluate import evaluate_segmentation, normalise
 
 
@@ -103,7 +103,7 @@ def check_seg_scale_memory(cfg: TrainConfig, model: nn.Module, d: Dist) -> None:
 
 @dataclass
 class SegmentationTask:
-    """Semantic segmentation (:class:`lgvit.engine.Task`)."""
+    """Semantic segmentation (:class:`lgvit.run.engine.Task`)."""
 
     # seg_scale sets the training and evaluation input size: a resume keeps it.
     identity_keys: tuple[str, ...] = (
@@ -157,7 +157,7 @@ class SegmentationTask:
         ``.pth``) fine-tunes the whole model (a classifier of another class count dropped);
         anything else is the backbone's classification weights (lgvit's, the authors'
         ``.pth``, timm's), read as ``create_model`` reads them, head and final norm left out."""
-        from lgvit.checkpoint import load_into, load_weights
+        from lgvit.checkpoints.files import load_into, load_weights
         from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
         from lgvit.models import create_model
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from lgvit.config import TrainConfig
-from lgvit.errors import Preempted
-from lgvit.runtime import Dist, all_reduce_sum
+from lgvit.core.errors import Preempted
+from lgvit.core.runtime import Dist, all_reduce_sum
+from lgvit.run.config import TrainConfig
 
 AGREE_EVERY = 8  # multi-process runs agree on a signal or a timed save every this many steps
 

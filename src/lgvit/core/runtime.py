@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3

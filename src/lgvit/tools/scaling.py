@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from lgvit.errors import LgvitError
-from lgvit.measure import (
+from lgvit.core.errors import LgvitError
+from lgvit.tools.measure import (
     count_macs_of,
     describe_machine,
     peak_rss_mb,

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lgvit.atomic import check_writable, naming
-from lgvit.errors import LgvitError, error_lines
+from lgvit.core.atomic import check_writable, naming
+from lgvit.core.errors import LgvitError, error_lines
 
 FORMATS = ("onnx", "pt2", "hf")
 TOLERANCE = 1e-4  # max abs logit difference accepted by --check (fp32 reorderings: ~1e-6)
@@ -36,7 +36,7 @@ def load_source(
     """``(eval-mode CPU model, has_trained_weights)`` from a registered name (random weights),
     ``local-dir:``/``hf-hub:``, or a checkpoint (``runs/x/best``, ``.safetensors``, or a
     ``.pth`` state dict such as the authors' releases, with ``model_name``)."""
-    from lgvit.checkpoint import is_size
+    from lgvit.checkpoints.files import is_size
     from lgvit.inference import load_model
     from lgvit.models import create_model, is_model
     from lgvit.models.hub import FOLDER_PREFIXES
@@ -273,7 +273,7 @@ def _runner(
 
 
 def _median_ms(fn: Callable[[], Any], repeats: int = 5) -> float:
-    from lgvit.measure import time_fn
+    from lgvit.tools.measure import time_fn
 
     return 1000 * time_fn(fn, warmup=1, repeats=repeats)
 

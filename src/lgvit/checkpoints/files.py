@@ -6,7 +6,7 @@ A checkpoint is two files sharing a stem::
     runs/x/last.state.pt      training state: optimizer, scheduler, scaler, EMA, epoch, RNG,
                               config, extra metadata; loads with torch.load(weights_only=True)
 
-Every file is written atomically (:mod:`lgvit.atomic`: a temp file, fsynced, then
+Every file is written atomically (:mod:`lgvit.core.atomic`: a temp file, fsynced, then
 ``os.replace``-d onto the final name), so a reader sees either the old file or the new one.
 
 Keeping the *pair* consistent: ``save_checkpoint`` writes both temp files first, then replaces
@@ -41,7 +41,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from lgvit.atomic import (
+# The type tests: re-exported for models/hub.py and the registry.
+from lgvit.checkpoints.record import (
+    CheckpointRecord,
+    is_img_size,
+    is_names,
+    is_number,
+    is_rgb,
+    is_size,
+)
+from lgvit.core.atomic import (
     atomic_save,
     atomic_save_safetensors,
     atomic_write_bytes,
@@ -52,16 +61,8 @@ from lgvit.atomic import (
     write_temp,
     writing_to,
 )
-from lgvit.errors import LgvitError, error_lines, first_line, last_line
-from lgvit.record import (  # the type tests: re-exported for models/hub.py and the registry
-    CheckpointRecord,
-    is_img_size,
-    is_names,
-    is_number,
-    is_rgb,
-    is_size,
-)
-from lgvit.safe_pickle import (
+from lgvit.core.errors import LgvitError, error_lines, first_line, last_line
+from lgvit.core.safe_pickle import (
     Inert,
     LeftOutWarning,
     PickledCodeWarning,
@@ -398,11 +399,11 @@ def load_metadata(path: str | Path) -> dict[str, str]:
 def load_record(
     path: str | Path, task: str | None = None, *, strict: bool = False
 ) -> CheckpointRecord:
-    """The :class:`~lgvit.record.CheckpointRecord` of a checkpoint, every value checked: a
-    malformed one is one line naming ``path`` and the key. ``task``: the task the caller loads
-    (see :meth:`~lgvit.record.CheckpointRecord.from_meta`). Not ``strict``: a file without a
-    safetensors header (a ``.pth``; a missing or broken file, which loading its weights then
-    reports) has an empty one, every key at its default."""
+    """The :class:`~lgvit.checkpoints.record.CheckpointRecord` of a checkpoint, every value checked:
+    a malformed one is one line naming ``path`` and the key. ``task``: the task the caller loads
+    (see :meth:`~lgvit.checkpoints.record.CheckpointRecord.from_meta`). Not ``strict``: a file
+    without a safetensors header (a ``.pth``; a missing or broken file, which loading its weights
+    then reports) has an empty one, every key at its default."""
     try:
         meta = load_metadata(path)
     except LgvitError:

@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 
 FORMATS = (".png", ".svg", ".pdf")
 DEFAULT_OUT = "curves.png"  # in the run directory for one run, else in the working directory
@@ -54,7 +54,7 @@ def plot_runs(
 ) -> Path:
     """Draw the runs' curves into ``out`` (``.png``, ``.svg`` or ``.pdf``; default
     ``RUN/curves.png`` for one run, ``curves.png`` for several); returns the path."""
-    from lgvit.viz import need_matplotlib
+    from lgvit.tools.viz import need_matplotlib
 
     if not run_dirs:
         raise LgvitError("no run directory given")

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lgvit.checkpoint import checkpoint_paths, load_record
-from lgvit.errors import LgvitError
-from lgvit.record import CheckpointRecord
+from lgvit.checkpoints.files import checkpoint_paths, load_record
+from lgvit.checkpoints.record import CheckpointRecord
+from lgvit.core.errors import LgvitError
 
 LOCK_NAME = ".lock"
 
@@ -220,7 +220,7 @@ def rescale_resume(state: dict, cfg: Any, steps_per_epoch: int, world_size: int)
     (``state["global_step"]``, changed here) moves to the same epoch counted in the new steps,
     and the base lr follows the batch (``scaled_lr``); returns that note (None: same batch). An
     iteration budget counts steps of the run's batch: such a resume is refused (one line)."""
-    from lgvit.config import config_from_dict, scaled_lr
+    from lgvit.run.config import config_from_dict, scaled_lr
 
     saved = config_from_dict(state.get("config") or {}, source="the checkpoint's config")
     ranks = len((state.get("extra") or {}).get("rng_per_rank") or []) or world_size

@@ -25,16 +25,16 @@ from typing import Any
 
 import yaml
 
-from lgvit.atomic import atomic_write_bytes
-from lgvit.constants import CROP_PCT, MAX_DENSE_SCALE
+from lgvit.checkpoints.kinds import DETECTORS
+from lgvit.core.atomic import atomic_write_bytes
+from lgvit.core.constants import CROP_PCT, MAX_DENSE_SCALE
+from lgvit.core.errors import LgvitError, first_line
+from lgvit.core.runtime import AMP_MODES
 from lgvit.data.coco import COCO_DATASETS, DET_SCALE
 from lgvit.data.datasets import DATASETS
 from lgvit.data.recipe import DEIT_RECIPE as _R
 from lgvit.data.recipe import RE_MODES, TRAIN_CROPS
 from lgvit.data.segmentation import SEG_DATASETS, SEG_SCALE
-from lgvit.errors import LgvitError, first_line
-from lgvit.kinds import DETECTORS
-from lgvit.runtime import AMP_MODES
 from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES, TASKS, TTA_MODES, get_task
 
 __all__ = [
@@ -396,7 +396,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- shipped configs
 
 # Package data: the configs install with lgvit, so `--config NAME` works from a pip install too.
-CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"  # lgvit/configs
 CONFIG_SUFFIXES = (".yaml", ".yml")
 _SENTENCE_END = re.compile(r"[.;](\s|$)")
 

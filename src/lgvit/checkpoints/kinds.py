@@ -2,8 +2,8 @@
 detector, with what a checkpoint of each kind that lacks a record key means.
 
 These are facts of the checkpoint format (the record's ``task`` and ``detector`` keys and their
-defaults), so they live below the model zoo and the tasks: :mod:`lgvit.record` validates a
-header with them, and :mod:`lgvit.tasks` adds each task's code (its package, datasets, commands)
+defaults), so they live below the model zoo and the tasks: :mod:`lgvit.checkpoints.record` validates
+a header with them, and :mod:`lgvit.tasks` adds each task's code (its package, datasets, commands)
 to its kind. Plain data and the data layer's class lists only: nothing here builds a model.
 """
 
@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lgvit.core.errors import LgvitError
 from lgvit.data.coco import COCO_CAT_IDS, COCO_CLASSES, DET_SCALE
 from lgvit.data.segmentation import ADE20K_CLASSES, SEG_CROP, SEG_SCALE
-from lgvit.errors import LgvitError
 
 __all__ = [
     "DEFAULT_TASK",
@@ -64,7 +64,7 @@ class TaskKind:
             not a classifier: ``lgvit export``/``viz`` refuse its checkpoints).
         needs_cat_ids: its checkpoints map each class to a COCO category id (``cat_ids``).
         record_defaults: what the record keys a checkpoint of it lacks mean, given the ones it
-            has (:meth:`lgvit.record.CheckpointRecord.defaults`).
+            has (:meth:`lgvit.checkpoints.record.CheckpointRecord.defaults`).
     """
 
     name: str

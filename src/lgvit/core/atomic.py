@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 
 __all__ = [
     "atomic_save",

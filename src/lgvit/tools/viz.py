@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.models.layers import Attention, DeformableTokenMerging, Grid, WindowAttention
 
 KINDS = ("lsa-shifts", "dtm-offsets", "attention")
@@ -502,8 +502,8 @@ def visualize(
     if what not in KINDS:
         raise LgvitError(f"--what {what!r}: choose one of {', '.join(KINDS)}")
     need_matplotlib()
-    from lgvit.export import load_source
     from lgvit.inference import preprocess_images, resolve_device
+    from lgvit.tools.export import load_source
 
     device = resolve_device(device)  # CUDA asked for and absent, or a bogus name: one line
     model, _ = load_source(checkpoint, model_name=model_name)

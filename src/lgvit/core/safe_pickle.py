@@ -5,7 +5,7 @@ one to the caller, which raises or returns an inert stand-in. Callers and what t
 
 * CIFAR batches (:mod:`lgvit.data.cifar`): numpy's array reconstruction only; anything else
   raises.
-* A training script's ``.pth`` (:mod:`lgvit.checkpoint`): torch's ``weights_only`` allowlist;
+* A training script's ``.pth`` (:mod:`lgvit.checkpoints.files`): torch's ``weights_only`` allowlist;
   anything else becomes an :class:`Inert` placeholder, so the file's tensors can still be read.
   What was left out is a warning of one of two kinds: :class:`LeftOutWarning` (objects that are
   only data of a class: a training script's ``argparse.Namespace``, expected) or
@@ -33,7 +33,7 @@ from typing import IO, Any
 
 import torch
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 
 __all__ = [
     "Inert",
@@ -195,7 +195,7 @@ def _py3_name(module: str, name: str) -> str:
 
 
 def _inert_class(module: str, name: str) -> type:
-    return type(name, (Inert,), {"__module__": "lgvit.checkpoint.inert",
+    return type(name, (Inert,), {"__module__": "lgvit.checkpoints.files.inert",
                                  "lgvit_name": _py3_name(module, name)})  # fmt: skip
 
 

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lgvit.errors import LgvitError
-from lgvit.measure import (
+from lgvit.core.errors import LgvitError
+from lgvit.models import create_model, get_model_config, is_model, list_models
+from lgvit.tools.measure import (
     count_macs,
     count_params,
     cpu_bf16_note,
@@ -46,7 +47,6 @@ from lgvit.measure import (
     run_in_fresh_process,
     timed,
 )
-from lgvit.models import create_model, get_model_config, is_model, list_models
 
 DEFAULT_BATCH = 64  # the LIT paper's throughput batch; the LSA and LocalViT papers name none
 FORMATS = ("table", "markdown", "csv", "json")
@@ -55,7 +55,7 @@ FORMATS = ("table", "markdown", "csv", "json")
 @dataclass
 class BenchOptions:
     device: str = "cpu"
-    amp: str = "auto"  # one of lgvit.runtime.AMP_MODES
+    amp: str = "auto"  # one of lgvit.core.runtime.AMP_MODES
     batch_size: int = DEFAULT_BATCH
     img_size: int | None = None  # None: each model's default input size
     train: bool = False
@@ -129,7 +129,7 @@ def paper_columns(name: str) -> dict[str, Any]:
 def _probe(name, img_size, batch, train, amp, compile_, threads) -> float:  # noqa: ANN001
     import gc
 
-    from lgvit.runtime import tune_cpu_allocator
+    from lgvit.core.runtime import tune_cpu_allocator
 
     torch.set_num_threads(threads)
     tune_cpu_allocator()  # the allocator lgvit's commands run with
@@ -226,7 +226,7 @@ def _device_and_precision(opts: BenchOptions) -> tuple[torch.device, torch.dtype
         raise LgvitError("--device cuda: CUDA is not available on this machine")
     if opts.batch_size < 1 or opts.rounds < 1:
         raise LgvitError("--batch-size and --rounds must be at least 1")
-    from lgvit.runtime import resolve_amp
+    from lgvit.core.runtime import resolve_amp
 
     return device, resolve_amp(opts.amp, device)
 

@@ -1,13 +1,14 @@
 """The checkpoint record: what an lgvit checkpoint carries besides its weights, for every task.
 
-A checkpoint's safetensors header holds strings only. :class:`CheckpointRecord` is that header
-as typed fields, written (:meth:`~CheckpointRecord.to_meta`), validated and read
-(:meth:`~CheckpointRecord.from_meta`) here and nowhere else; :func:`lgvit.checkpoint.load_record`
-reads one from a file. The on-disk form is the one lgvit has always written -- the same keys,
-whole numbers as decimal strings, lists and objects as ``json.dumps`` of them, a classification
-checkpoint naming no task -- so checkpoints written before the record and after it load in
-either version. A malformed value (a hand-edited or foreign header) is one line naming the file
-and the key; a key a checkpoint lacks takes the record's default for its task.
+A checkpoint's safetensors header holds strings only. :class:`CheckpointRecord` is that header as
+typed fields, written (:meth:`~CheckpointRecord.to_meta`), validated and read
+(:meth:`~CheckpointRecord.from_meta`) here and nowhere else;
+:func:`lgvit.checkpoints.files.load_record` reads one from a file. The on-disk form is the one lgvit
+has always written -- the same keys, whole numbers as decimal strings, lists and objects as
+``json.dumps`` of them, a classification checkpoint naming no task -- so checkpoints written before
+the record and after it load in either version. A malformed value (a hand-edited or foreign header)
+is one line naming the file and the key; a key a checkpoint lacks takes the record's default for its
+task.
 
 Also here: the type tests of metadata values (``is_size``, ``is_rgb``, ...) and each key's rule
 applied to a decoded value (:func:`value_problem`), which ``models/hub.py`` applies to a hub
@@ -23,9 +24,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from lgvit.constants import MAX_DENSE_SCALE
-from lgvit.errors import LgvitError
-from lgvit.kinds import DEFAULT_TASK, DETECTORS, TASK_NAMES, task_kind
+from lgvit.checkpoints.kinds import DEFAULT_TASK, DETECTORS, TASK_NAMES, task_kind
+from lgvit.core.constants import MAX_DENSE_SCALE
+from lgvit.core.errors import LgvitError
 
 __all__ = [
     "CheckpointRecord",
@@ -129,7 +130,8 @@ class CheckpointRecord:
     @classmethod
     def defaults(cls, values: Mapping[str, Any]) -> dict[str, Any]:
         """The values of the keys a header of ``values['task']`` may lack (given ``values``,
-        the ones it has): the task kind's ``record_defaults`` (:mod:`lgvit.kinds`). lgvit's first
+        the ones it has): the task kind's ``record_defaults`` (:mod:`lgvit.checkpoints.kinds`).
+        lgvit's first
         classification checkpoints named no task and no model_kwargs; the LIT authors'
         mmseg/mmdet files carry no header at all."""
         return task_kind(values.get("task", DEFAULT_TASK)).record_defaults(dict(values))

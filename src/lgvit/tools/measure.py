@@ -245,7 +245,7 @@ def describe_machine(device: torch.device | str = "cpu") -> str:
 
 def cpu_bf16_note() -> str:
     """``'native bf16: amx_bf16'`` (or the flag found), or ``'bf16 emulated'``."""
-    from lgvit.runtime import cpu_bf16_support
+    from lgvit.core.runtime import cpu_bf16_support
 
     flag = cpu_bf16_support()
     return f"native bf16: {flag}" if flag else "bf16 emulated"

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lgvit.errors import LgvitError
+from lgvit.core.errors import LgvitError
 from lgvit.models.download import (
     ENV_DIR,
     cached_file,

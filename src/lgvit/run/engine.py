@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lgvit.atomic import atomic_save_safetensors, atomic_write_bytes
-from lgvit.checkpoint import (
+from lgvit.checkpoints.files import (
     build_train_state,
     check_same_classes,
     checkpoint_paths,
@@ -35,10 +34,13 @@ from lgvit.checkpoint import (
     save_error,
     state_dict_to_cpu,
 )
-from lgvit.config import TrainConfig, config_from_dict, config_to_dict, save_config, scaled_lr
+from lgvit.core.atomic import atomic_save_safetensors, atomic_write_bytes
+from lgvit.core.errors import LgvitError
+from lgvit.core.progress import RunClock, StepProgress, format_duration, on_terminal
+from lgvit.core.runtime import Dist, all_reduce_sum, barrier, resolve_amp, seed_everything
 from lgvit.data.protocol import Loader, TrainLoader, check_loaders
-from lgvit.errors import LgvitError
-from lgvit.optim import (
+from lgvit.run.config import TrainConfig, config_from_dict, config_to_dict, save_config, scaled_lr
+from lgvit.run.optim import (
     ModelEma,
     build_optimizer,
     lr_at,
@@ -47,9 +49,8 @@ from lgvit.optim import (
     warmup_steps,
     warn_long_warmup,
 )
-from lgvit.preempt import RunControl
-from lgvit.progress import RunClock, StepProgress, format_duration, on_terminal
-from lgvit.rundir import (
+from lgvit.run.preempt import RunControl
+from lgvit.run.rundir import (
     Resumed,
     RunLock,
     RunLog,
@@ -59,7 +60,6 @@ from lgvit.rundir import (
     remove_stale_temps,
     rescale_resume,
 )
-from lgvit.runtime import Dist, all_reduce_sum, barrier, resolve_amp, seed_everything
 
 # --------------------------------------------------------------------------------- the task
 
@@ -345,7 +345,7 @@ class Run:
     ) -> None:  # fmt: skip
         """Atomic checkpoints by rank 0 (``last``, and ``best``); every rank's RNG state (and,
         mid-epoch, augmentation stream) is gathered so resume is exact. A failed write is one
-        line (:func:`~lgvit.checkpoint.save_error`), and the previous checkpoint stays.
+        line (:func:`~lgvit.checkpoints.files.save_error`), and the previous checkpoint stays.
         ``pending``: the epoch's training metrics, saved before its evaluation."""
         extra: dict[str, Any] = {"history": self.history}
         if mid is not None:
@@ -402,10 +402,10 @@ def run(
 
     When resuming, the run's saved config is used; only ``out``, ``resume`` and the keys named
     in ``explicit`` (what this invocation set: flags, ``--set``, the YAML file) override it.
-    The run directory is locked for the run's duration (:mod:`lgvit.rundir`). ``resumed``:
+    The run directory is locked for the run's duration (:mod:`lgvit.run.rundir`). ``resumed``:
     the checkpoint's record as the caller read it to choose the task (not read again).
     """
-    from lgvit.runtime import setup_distributed
+    from lgvit.core.runtime import setup_distributed
 
     d = setup_distributed(cfg.device)
     out = Path(cfg.out)

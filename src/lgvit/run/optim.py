@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lgvit.config import TrainConfig
+from lgvit.run.config import TrainConfig
 
 
 def run_epochs(cfg: TrainConfig, steps_per_epoch: int) -> int:
