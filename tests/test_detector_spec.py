@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import quick_init
 
 from lgvit.checkpoints.kinds import DETECTOR_SPECS, DETECTORS, detector_spec
 from lgvit.core.errors import LgvitError
@@ -82,3 +83,14 @@ def test_no_detector_is_chosen_by_its_name():
         if pattern.search(line)
     ]
     assert not found
+
+
+def test_swin_question_for_a_save_pretrained_folder(tmp_path):
+    """A ``local-dir:`` backbone is asked through the architecture its config names, as
+    building it did (a Mask R-CNN on a saved LIT-S folder keeps the stride-4 map unnormed)."""
+    from lgvit.models.hub import save_pretrained
+
+    with quick_init():
+        save_pretrained(create_model("lit_s", num_classes=3), tmp_path / "lit_s")
+    assert model_class(f"local-dir:{tmp_path / 'lit_s'}") is model_class("lit_s")
+    assert issubclass(model_class("lit_s"), SwinTransformer)

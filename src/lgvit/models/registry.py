@@ -123,10 +123,15 @@ def get_model_config(name: str) -> ModelConfig:
 
 
 def model_class(name: str) -> type:
-    """The class registered model ``name`` (or ``name.tag``) builds, read from its
-    constructor's return annotation: asked without building the model."""
+    """The class registered model ``name`` (``name.tag``, or a ``local-dir:``/``hf-hub:``
+    folder: the architecture its config names) builds, read from its constructor's return
+    annotation: asked without building the model."""
     import typing
 
+    from lgvit.models import hub
+
+    if name.startswith(hub.FOLDER_PREFIXES):
+        name = hub.read_config(_hub_folder(name))["architecture"]
     return typing.get_type_hints(_MODELS[_architecture(name)])["return"]
 
 
@@ -318,13 +323,20 @@ def _create_pretrained(
     return model
 
 
+def _hub_folder(name: str) -> Any:
+    """The folder of ``local-dir:DIR`` (DIR) or ``hf-hub:ORG/NAME`` (downloaded once)."""
+    from lgvit.models import hub
+
+    kind, _, where = name.partition(":")
+    return where if kind == "local-dir" else hub.download(where)
+
+
 def _create_from_folder(name: str, **overrides: Any) -> nn.Module:
     """``local-dir:DIR`` / ``hf-hub:ORG/NAME``: the architecture the folder's config names,
     its arguments, weights, preprocessing and class names."""
     from lgvit.models import hub
 
-    kind, _, where = name.partition(":")
-    folder = where if kind == "local-dir" else hub.download(where)
+    folder = _hub_folder(name)
     config = hub.read_config(folder)
     arch = config["architecture"]
     if not is_model(arch):
