@@ -150,6 +150,6 @@ def create_segmenter(
     else:
         bb = create_backbone(backbone, checkpoint_path=checkpoint_path, **backbone_kwargs)
         model = SemanticFPN(bb, num_classes)
-    if sync_bn:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if sync_bn:  # the head's only, as mmseg's SyncBN norm_cfg: the backbone's BN stays per GPU
+        model.decode_head = nn.SyncBatchNorm.convert_sync_batchnorm(model.decode_head)
     return model

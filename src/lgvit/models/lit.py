@@ -13,7 +13,8 @@ Where we follow the authors' code: LIT-Ti's LayerNorm epsilon is 1e-6 in the blo
 in the first patch embedding, S/M/B use 1e-5 everywhere; only the offset conv's weight trains
 at 0.01 x the learning rate (``offset_lr_factor``). Unlike their code, any input size whose
 grids form works (position embeddings and bias tables are resized), odd batch sizes are fine,
-and the deformable convolution runs without a CUDA extension.
+and the deformable convolution runs without a CUDA extension: ``deform_impl`` (``"auto"``,
+``"torchvision"``, ``"pure"``; :class:`~lgvit.models.layers.DeformConv2d`) chooses its kernel.
 """
 
 from __future__ import annotations
@@ -26,9 +27,21 @@ import torch
 import torch.nn as nn
 
 from lgvit.models.convert import rename_keys, split_fused_qkv
-from lgvit.models.layers import Attention, DeformableTokenMerging, Grid, PatchMerging
+from lgvit.models.layers import (
+    Attention,
+    DeformableTokenMerging,
+    Grid,
+    PatchMerging,
+    set_deform_impl,
+)
+from lgvit.models.layers.deform import check_deform_impl
 from lgvit.models.pvt import PyramidVisionTransformer, conv_merge
-from lgvit.models.registry import ModelConfig, lit_paper_speed, register_model
+from lgvit.models.registry import (
+    ModelArgumentError,
+    ModelConfig,
+    lit_paper_speed,
+    register_model,
+)
 from lgvit.models.swin import SwinTransformer
 
 
@@ -59,8 +72,22 @@ _DTM_RENAMES = [
 ]
 
 
+def _deform_impl(impl: object) -> str:
+    """``deform_impl`` checked before anything is built (a bad one: one line)."""
+    try:
+        return check_deform_impl(impl)
+    except ValueError as e:
+        raise ModelArgumentError(str(e)) from None
+
+
 class LITPyramid(PyramidVisionTransformer):
-    """LIT-Ti and the PVT-S ablations: the PVT skeleton with MLP-only stages and DTM."""
+    """LIT-Ti and the PVT-S ablations: the PVT skeleton with MLP-only stages and DTM.
+    ``deform_impl``: the deformable kernel of its DTM layers (not saved with the weights)."""
+
+    def __init__(self, *args: Any, deform_impl: str = "auto", **kwargs: Any) -> None:
+        impl = _deform_impl(deform_impl)
+        super().__init__(*args, **kwargs)
+        set_deform_impl(self, impl)
 
     def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict:
         """The LIT-Ti authors' layout (PVT's, plus ``dconv``/``norm_layer`` and fused qkv)."""
@@ -69,7 +96,13 @@ class LITPyramid(PyramidVisionTransformer):
 
 
 class LITSwin(SwinTransformer):
-    """LIT-S/M/B and the Swin ablation: the Swin skeleton with global attention and DTM."""
+    """LIT-S/M/B and the Swin ablation: the Swin skeleton with global attention and DTM.
+    ``deform_impl``: as :class:`LITPyramid`'s."""
+
+    def __init__(self, *args: Any, deform_impl: str = "auto", **kwargs: Any) -> None:
+        impl = _deform_impl(deform_impl)
+        super().__init__(*args, **kwargs)
+        set_deform_impl(self, impl)
 
     def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict:
         """The LIT-S/M/B authors' layout (Swin's, plus ``dconv``/``norm_layer``)."""

@@ -280,8 +280,11 @@ def create_model(
         raise LgvitError(
             f"{checkpoint_path}: metadata model_kwargs do not fit {name} ({first_line(e)})"
         ) from None
-    # The architecture arguments, so save_pretrained can write them (class count aside).
-    model.model_args = {k: v for k, v in overrides.items() if k != "num_classes"}
+    # The architecture arguments, so save_pretrained can write them (class count aside, and
+    # LIT's deform_impl: which kernel runs on this machine, not what the model is).
+    model.model_args = {
+        k: v for k, v in overrides.items() if k not in ("num_classes", "deform_impl")
+    }
     if weights is not None:
         _load_checkpoint(model, weights, checkpoint_path, name, cfg, explicit=num_classes)
     model.pretrained_cfg = pretrained_cfg_for(name, model, record)

@@ -9,7 +9,13 @@ from lgvit.models.layers.attention import (
     relative_position_index,
 )
 from lgvit.models.layers.block import Block, default_norm
-from lgvit.models.layers.deform import DeformableTokenMerging, DeformConv2d, deform_conv2d
+from lgvit.models.layers.deform import (
+    DEFORM_IMPLS,
+    DeformableTokenMerging,
+    DeformConv2d,
+    deform_conv2d,
+    set_deform_impl,
+)
 from lgvit.models.layers.drop import DropPath, drop_path, drop_path_schedule
 from lgvit.models.layers.features import FeatureInfo, feature_take_indices
 from lgvit.models.layers.helpers import (
@@ -50,6 +56,7 @@ __all__ = [
     "Block",
     "as_written",
     "running_as_written",
+    "DEFORM_IMPLS",
     "DeformConv2d",
     "DeformableTokenMerging",
     "DropPath",
@@ -68,6 +75,7 @@ __all__ = [
     "conv_out_size",
     "default_norm",
     "deform_conv2d",
+    "set_deform_impl",
     "drop_path",
     "drop_path_schedule",
     "feature_take_indices",

@@ -13,7 +13,8 @@ Which kernel runs: on the CPU this pure path, which measured 2.2-5.5x faster tha
 shapes (``benchmarks/bench_deform.py``, AMD EPYC with AVX-512 bf16, torch 2.14.1, batch 32;
 torchvision's CPU kernel is an im2col loop without bf16); it also exports to ONNX as
 GridSample + Conv. On CUDA torchvision's kernel (the authors used a CUDA kernel too); not yet
-measured against this path on a GPU.
+measured against this path on a GPU. ``DeformConv2d(impl=...)`` (``deform_impl`` of the LIT
+models, :func:`set_deform_impl` on a built model) chooses either explicitly.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lgvit.models.layers.helpers import Grid, check_grid, map_to_tokens, to_2tuple
+
+# Which kernel a DeformConv2d runs -> deform_conv2d's ``use_torchvision``: "auto" is torchvision's
+# on CUDA and the pure path elsewhere.
+_USE_TORCHVISION: dict[str, bool | None] = {"auto": None, "torchvision": True, "pure": False}
+DEFORM_IMPLS: tuple[str, ...] = tuple(_USE_TORCHVISION)
 
 
 @functools.cache
@@ -71,8 +77,9 @@ def deform_conv2d(
     if use_torchvision and tv is None:
         raise RuntimeError("use_torchvision=True but torchvision.ops.deform_conv2d does not import")
     if tv is not None:
-        if x.device.type == "cpu" and x.dtype not in (torch.float32, torch.float64):
-            # torchvision's CPU kernel has no bf16/fp16 (under autocast it runs in float32).
+        if x.dtype not in (torch.float32, torch.float64):
+            # torchvision's kernels have no bf16 (CPU: no fp16 either); under autocast they run
+            # in float32 too, as the pure path samples.
             args = (x, offset, weight) + (() if bias is None else (bias,))
             x, offset, weight, *rest = (t.float() for t in args)
             out = tv(x, offset, weight, rest[0] if rest else None, (sh, sw), (ph, pw), (dh, dw))
@@ -114,15 +121,41 @@ torch.fx.wrap("deform_conv2d")
 torch.fx.wrap("check_grid")
 
 
+def check_deform_impl(impl: object) -> str:
+    """``impl`` if it names a kernel (:data:`DEFORM_IMPLS`) that can run here, else a one-line
+    ``ValueError``."""
+    if not isinstance(impl, str) or impl not in _USE_TORCHVISION:
+        raise ValueError(f"deform_impl {impl!r}: one of {', '.join(DEFORM_IMPLS)}")
+    if impl == "torchvision" and _torchvision_deform_conv2d() is None:
+        raise ValueError("deform_impl 'torchvision': torchvision.ops.deform_conv2d does not import")
+    return impl
+
+
+def set_deform_impl(model: nn.Module, impl: str) -> int:
+    """Every :class:`DeformConv2d` in ``model`` runs ``impl`` from now on (the weights are the
+    same for each); returns how many there are."""
+    impl = check_deform_impl(impl)
+    convs = [m for m in model.modules() if isinstance(m, DeformConv2d)]
+    for m in convs:
+        m.impl = impl
+    return len(convs)
+
+
 class DeformConv2d(nn.Module):
     """A DCNv1 convolution's parameters (``weight``, ``bias``, initialised as ``nn.Conv2d``);
-    ``forward(x, offset)``."""
+    ``forward(x, offset)``.
+
+    ``impl``: which kernel runs (:data:`DEFORM_IMPLS`): ``"auto"`` (torchvision's on CUDA,
+    the pure-PyTorch one elsewhere), ``"torchvision"`` or ``"pure"`` on any device. A plain
+    attribute, not in the state dict: checkpoints load under either.
+    """
 
     def __init__(
         self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
-        padding: int = 0, bias: bool = True,
+        padding: int = 0, bias: bool = True, impl: str = "auto",
     ) -> None:  # fmt: skip
         super().__init__()
+        self.impl = check_deform_impl(impl)
         k = to_2tuple(kernel_size)
         self.stride, self.padding = to_2tuple(stride), to_2tuple(padding)
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels, *k))
@@ -133,7 +166,13 @@ class DeformConv2d(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        return deform_conv2d(x, offset, self.weight, self.bias, self.stride, self.padding)
+        return deform_conv2d(
+            x, offset, self.weight, self.bias, self.stride, self.padding,
+            use_torchvision=_USE_TORCHVISION[self.impl],
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, stride={self.stride}, impl={self.impl!r}"
 
 
 class DeformableTokenMerging(nn.Module):
@@ -143,15 +182,16 @@ class DeformableTokenMerging(nn.Module):
 
     The offset conv's weight trains at a fraction of the learning rate (``offset_lr_factor``
     in the training config; its name ``offset_conv`` is how the optimizer finds it).
+    ``impl``: the deformable kernel (:class:`DeformConv2d`).
     """
 
-    def __init__(self, in_dim: int, out_dim: int, kernel_size: int = 2) -> None:
+    def __init__(self, in_dim: int, out_dim: int, kernel_size: int = 2, impl: str = "auto") -> None:
         super().__init__()
         k = kernel_size
         self.offset_conv = nn.Conv2d(in_dim, 2 * k * k, k, stride=k)
         nn.init.zeros_(self.offset_conv.weight)
         nn.init.zeros_(self.offset_conv.bias)
-        self.conv = DeformConv2d(in_dim, out_dim, k, stride=k)
+        self.conv = DeformConv2d(in_dim, out_dim, k, stride=k, impl=impl)
         self.norm = nn.BatchNorm2d(out_dim)
         self.act = nn.GELU()
 
