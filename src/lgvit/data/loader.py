@@ -219,6 +219,9 @@ class BatchRecipe:
             raise LgvitError(f"mixup/cutmix needs an even batch_size, got {batch_size}")
         self._start: tuple[int, torch.Tensor | None] = (0, None)
         self._gen: torch.Generator | None = None
+        # The recipe's sync-free path (lgvit.data.transforms): None takes it off the CPU only;
+        # True runs it on a CPU too (tests of what a GPU run does).
+        self.sync_free: bool | None = None
 
     # ------------------------------------------------------------------ the loader contract
 
@@ -239,12 +242,24 @@ class BatchRecipe:
         return self._gen.get_state() if self._gen is not None else None
 
     def pass_start(self) -> tuple[int, torch.Generator]:
-        """The first batch of this pass and the augmentation generator, positioned there."""
+        """The first batch of this pass and the augmentation generator, positioned there.
+
+        On a GPU the generator lives there, made once per pass: every draw of a batch is made
+        where the batch is, with nothing copied from the host. Its state is a GPU generator's;
+        a state saved on the other kind of device cannot position it, so the epoch then
+        continues at its batch with the stream started afresh, as after a change of process
+        count (the CPU and CUDA streams differ anyway)."""
         start, state = self._start
         self._start = (0, None)
-        gen = torch.Generator().manual_seed(_seed(self.seed, self.epoch, self.rank, 1))
+        on, index = torch.device("cpu"), self.device.index
+        if self.device.type == "cuda":  # with its index, so that it equals the batch's device
+            on = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        gen = torch.Generator(device=on).manual_seed(_seed(self.seed, self.epoch, self.rank, 1))
         if state is not None:
-            gen.set_state(state)
+            try:
+                gen.set_state(state)
+            except RuntimeError:  # saved on the other kind of device: its size differs
+                gen.manual_seed(_seed(self.seed, self.epoch, self.rank, 1))
         self._gen = gen
         return start, gen
 
@@ -319,10 +334,10 @@ class BatchRecipe:
         phase bit (from the seed alone, the same on every rank) differs from ``e % 2``, so any
         two consecutive epochs show every image both ways -- a random flip repeats the same
         view in half the pairs. (Repeated augmentation's copies of an image share the flip.)"""
-        if self._flip_phase is None:
+        if self._flip_phase is None:  # kept where the recipe runs: no per-batch copy
             g = torch.Generator().manual_seed(_seed(self.seed, 0, 0, 3))
-            self._flip_phase = torch.rand(self.dataset_size, generator=g) < 0.5
-        return self._flip_phase[idx.cpu()] ^ bool(self.epoch % 2)
+            self._flip_phase = self.to_device(torch.rand(self.dataset_size, generator=g) < 0.5)
+        return self._flip_phase[self.to_device(idx)] ^ bool(self.epoch % 2)
 
     def train_batch(
         self, x: torch.Tensor, y: torch.Tensor, gen: torch.Generator, idx: torch.Tensor
@@ -342,11 +357,13 @@ class BatchRecipe:
             if pad > 0 or a.hflip:
                 x = random_crop_flip(x, a.img_size, pad, flip, gen=gen)
         if self.rand_augment is not None:
-            x = rand_augment(x, gen, fill=mean_to_fill(a.mean), **self.rand_augment)
+            fill = mean_to_fill(a.mean)
+            x = rand_augment(x, gen, fill=fill, sync_free=self.sync_free, **self.rand_augment)
         x, y = self.to_device(x), self.to_device(y)
         x = normalize(x, a.mean, a.std)
         if a.reprob > 0:
-            x = random_erasing(x, gen, prob=a.reprob, mode=a.remode, max_count=a.recount)
+            x = random_erasing(x, gen, prob=a.reprob, mode=a.remode, max_count=a.recount,
+                               sync_free=self.sync_free)  # fmt: skip
         if self.mix:
             return self.mix_batch(x, y, gen)
         if self._soft:
@@ -369,6 +386,7 @@ class BatchRecipe:
             prob=a.mixup_prob,
             label_smoothing=a.label_smoothing,
             mode=a.mixup_mode,
+            sync_free=self.sync_free,
         )
 
     def eval_batch(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> tuple:
@@ -465,8 +483,11 @@ class BatchLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         r = self.recipe
         idx_all = r.indices()
+        bounds = r.batch_bounds(idx_all.numel())
+        if idx_all.device != self.images.device:  # once per pass, not a copy per batch
+            idx_all = idx_all.pin_memory().to(self.images.device, non_blocking=True)
         start, gen = r.pass_start()
-        for s, e in r.batch_bounds(idx_all.numel())[start:]:
-            idx = idx_all[s:e].to(self.images.device)
+        for s, e in bounds[start:]:
+            idx = idx_all[s:e]
             x, y = self.images[idx], self.labels[idx]
             yield r.train_batch(x, y, gen, idx) if r.train else r.eval_batch(x, y, idx)

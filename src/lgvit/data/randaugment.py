@@ -9,7 +9,7 @@ this module and re-exports its public names).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -75,9 +75,23 @@ def _rand(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return torch.rand(shape, generator=gen, device=gen.device, dtype=torch.float64)
 
 
+def _sync_free(x: torch.Tensor, sync_free: bool | None) -> bool:
+    """Whether a random op takes its sync-free path (``None``: off the CPU, where reading a
+    drawn value back to the host would wait for all the work queued on the device)."""
+    return x.device.type != "cpu" if sync_free is None else sync_free
+
+
+def _filled(values: Sequence[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A small constant vector made on ``device`` by filling, not copied from Python data (a
+    tensor built from a list reaches a GPU by a blocking copy)."""
+    return torch.stack([torch.full((), float(v), dtype=dtype, device=device) for v in values])
+
+
 def _per_sample(v: Scalar, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Broadcast a scalar or (n,) tensor parameter to a (n, 1, 1, 1) tensor."""
-    t = torch.as_tensor(v, dtype=dtype).to(device, non_blocking=True)
+    if not isinstance(v, torch.Tensor):  # a number: filled in on the device, not copied there
+        return torch.full((n, 1, 1, 1), v, dtype=dtype, device=device)
+    t = v.to(dtype).to(device, non_blocking=True)
     if t.dim() == 0:
         t = t.expand(n)
     if t.shape != (n,):
@@ -147,8 +161,11 @@ def _auto_contrast_lut(x: torch.Tensor) -> torch.Tensor:
 def _equalize_lut(x: torch.Tensor) -> torch.Tensor:
     b, c, h, w = x.shape
     flat = x.reshape(b * c, h * w).long()
-    offs = torch.arange(b * c, device=x.device)[:, None] * 256
-    hist = torch.bincount((flat + offs).reshape(-1), minlength=b * c * 256).view(b * c, 256)
+    # Per-image histograms by scatter_add_: bincount reads its size back from a GPU.
+    hist = torch.zeros((b * c, 256), dtype=torch.int64, device=x.device)
+    hist.scatter_add_(
+        1, flat, torch.ones((1, 1), dtype=torch.int64, device=x.device).expand_as(flat)
+    )
     nonzero = hist > 0
     # Count in the last non-empty bin (PIL excludes it from the step computation).
     last = 255 - nonzero.flip(1).to(torch.int8).argmax(1, keepdim=True)
@@ -261,14 +278,14 @@ def affine(
     ``fill``. One ``grid_sample`` for the whole batch.
     """
     b, c, h, w = x.shape
-    m = matrix.to(torch.float64).cpu()
+    m = matrix.to(torch.float64)
     # Conjugate the pixel-space map with the pixel <-> [-1, 1] normalisation of
-    # grid_sample(align_corners=False) to get each sample's normalised map theta.
-    to_norm = torch.tensor([[2.0 / w, 0, -1], [0, 2.0 / h, -1], [0, 0, 1]], dtype=torch.float64)
-    from_norm = torch.tensor(
-        [[w / 2.0, 0, w / 2.0], [0, h / 2.0, h / 2.0], [0, 0, 1]], dtype=torch.float64
-    )
-    m3 = torch.cat([m, torch.tensor([[[0.0, 0.0, 1.0]]], dtype=torch.float64).expand(b, 1, 3)], 1)
+    # grid_sample(align_corners=False) to get each sample's normalised map theta, where the
+    # map is (a GPU's maps never come back to the host).
+    f64 = dict(device=m.device, dtype=torch.float64)
+    to_norm = _filled([2.0 / w, 0, -1, 0, 2.0 / h, -1, 0, 0, 1], **f64).view(3, 3)
+    from_norm = _filled([w / 2.0, 0, w / 2.0, 0, h / 2.0, h / 2.0, 0, 0, 1], **f64).view(3, 3)
+    m3 = torch.cat([m, _filled([0.0, 0.0, 1.0], **f64).expand(b, 1, 3)], 1)
     theta = (to_norm @ m3 @ from_norm)[:, :2].to(torch.float32).to(x.device, non_blocking=True)
     # The grid theta @ (xn, yn, 1) built from two broadcast adds (affine_grid's bmm is
     # several times slower for these small images).
@@ -287,7 +304,7 @@ def affine(
     # The small margin puts float32 round-off at exactly the far edge outside, like PIL.
     ok = (grid >= -1.0) & (grid < 1.0 - 1e-5)
     inside = (ok[..., 0] & ok[..., 1]).unsqueeze(1)
-    fill_t = torch.as_tensor(fill, dtype=torch.float32, device=x.device).reshape(-1)
+    fill_t = _filled(fill if isinstance(fill, Sequence) else [fill], x.device, torch.float32)
     fill_t = fill_t.expand(c) if fill_t.numel() == 1 else fill_t
     out = torch.where(inside, out, fill_t.view(1, c, 1, 1))
     # PIL's bilinear transform truncates to uint8 rather than rounding; the 1e-3 keeps float32
@@ -384,14 +401,15 @@ def _op_lut(name: str, x: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
     return lut.expand(n, c, 256)
 
 
-def _op_matrices(kinds: list[str], lvl: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """Pixel-space affine maps for a batch of geometric ops (one op name per sample), with
-    timm's level-to-arg; ``lvl`` = signed magnitude / 10. Built in one vectorised pass: an
-    angle of 0 gives the identity, and each sample has exactly one non-zero term."""
-    lvl = lvl.to(torch.float64).cpu()
+def _op_matrices(is_op: Callable[[str], torch.Tensor], lvl: torch.Tensor, h: int, w: int):
+    """Pixel-space affine maps for a batch of geometric ops, with timm's level-to-arg; ``lvl``
+    = signed magnitude / 10 and ``is_op(name)`` which samples run op ``name`` (bool, on lvl's
+    device). Built in one vectorised pass: an angle of 0 gives the identity, and each sample has
+    at most one non-zero term (none: the identity map)."""
+    lvl = lvl.to(torch.float64)
 
     def only(name: str) -> torch.Tensor:
-        return torch.tensor([k == name for k in kinds], dtype=torch.float64) * lvl
+        return is_op(name).to(torch.float64) * lvl
 
     m = _rotate_matrix(only("Rotate") * 30.0, h, w)
     m[:, 0, 1] += only("ShearX") * 0.3
@@ -449,11 +467,13 @@ def _run_blend_ops(
 ) -> torch.Tensor:
     """The enhance ops of a segment (brightness, color, contrast, sharpness) as one blend."""
     degs = [_BLEND_OPS[n.removesuffix("Increasing")](xs[s]).expand(xs[s].shape) for n, s in seg]
-    factors = [
-        (1.0 + 0.9 * lvl[s]).clamp(min=0.1) if n.endswith("Increasing") else frac[s] * 1.8 + 0.1
-        for n, s in seg
-    ]
+    factors = [_blend_factor(n, frac[s], lvl[s]) for n, s in seg]
     return _blend(torch.cat(degs), xs, torch.cat(factors))
+
+
+def _blend_factor(name: str, frac: torch.Tensor, lvl: torch.Tensor) -> torch.Tensor:
+    """timm's enhance level-to-arg: 1 + 0.9 * signed level (increasing), else 0.1 to 1.9."""
+    return (1.0 + 0.9 * lvl).clamp(min=0.1) if name.endswith("Increasing") else frac * 1.8 + 0.1
 
 
 def _run_geometric_ops(
@@ -461,7 +481,49 @@ def _run_geometric_ops(
 ) -> torch.Tensor:
     """The geometric ops of a segment through one ``grid_sample``."""
     kinds = [name for name, s in seg for _ in range(s.stop - s.start)]
-    return affine(xs, _op_matrices(kinds, lvl, xs.shape[-2], xs.shape[-1]), fill)
+
+    def is_op(name: str) -> torch.Tensor:
+        return torch.tensor([k == name for k in kinds]).to(lvl.device, non_blocking=True)
+
+    return affine(xs, _op_matrices(is_op, lvl, xs.shape[-2], xs.shape[-1]), fill)
+
+
+def _layer_on_device(
+    x: torch.Tensor,
+    names: Sequence[str],
+    op: torch.Tensor,
+    applied: torch.Tensor,
+    frac: torch.Tensor,
+    lvl: torch.Tensor,
+    fill: Sequence[int] | int,
+) -> torch.Tensor:
+    """One layer with no host decision: every point op's table, every enhance op's blend and
+    every geometric op's map is made for every image, and each image takes its own op's result
+    on the device. The same results as the batched path, which groups images by op on the
+    host (reading the draws back, a sync per layer on a GPU), at about three times the work."""
+    n, c = x.shape[:2]
+    lut, deg, factor = _levels(n, x.device).expand(n, c, 256), x.to(torch.float32), frac
+    is_lut, is_blend = torch.zeros_like(applied), torch.zeros_like(applied)
+    for k, name in enumerate(names):
+        mine = op == k
+        if name in _LUT_OPS:
+            lut = torch.where(mine.view(n, 1, 1), _op_lut(name, x, frac), lut)
+            is_lut = is_lut | mine
+        elif name not in _GEOMETRIC:
+            base = _BLEND_OPS[name.removesuffix("Increasing")](x).expand(x.shape)
+            deg = torch.where(mine.view(n, 1, 1, 1), base, deg)
+            factor = torch.where(mine, _blend_factor(name, frac, lvl), factor)
+            is_blend = is_blend | mine
+
+    def is_op(name: str) -> torch.Tensor:
+        return op == names.index(name)
+
+    geo = affine(x, _op_matrices(is_op, lvl, x.shape[-2], x.shape[-1]), fill)
+    is_lut, is_blend = (applied & is_lut).view(n, 1, 1, 1), (applied & is_blend).view(n, 1, 1, 1)
+    out = torch.where(
+        is_lut, _apply_lut(x, lut), torch.where(is_blend, _blend(deg, x, factor), geo)
+    )
+    return torch.where(applied.view(n, 1, 1, 1), out, x)
 
 
 _RUN_CATEGORY = {"lut": _run_lut_ops, "blend": _run_blend_ops, "geo": _run_geometric_ops}
@@ -477,6 +539,7 @@ def rand_augment(
     fill: Sequence[int] | None = (124, 116, 104),
     prob: float = 0.5,
     magnitude_max: float | None = None,
+    sync_free: bool | None = None,
 ) -> torch.Tensor:
     """timm RandAugment (default ``rand-m9-mstd0.5-inc1``) on a uint8 batch.
 
@@ -487,6 +550,10 @@ def rand_augment(
     table lookup, all enhance ops through one blend and all geometric ops through one
     ``grid_sample``. Geometric ops use bilinear interpolation (timm's DeiT setting picks
     bicubic) and ``fill`` (default: timm's ImageNet ``img_mean``; ``None`` means black).
+
+    ``sync_free`` (default: off the CPU) computes every op for every image and selects on the
+    device instead (:func:`_layer_on_device`): the same images from the same draws, with no
+    value read back to the host; draw on a generator on the images' device for no copy either.
     """
     _check_images(x, "rand_augment", uint8=True)
     names = RAND_INCREASING_TRANSFORMS if increasing else RAND_TRANSFORMS
@@ -495,6 +562,13 @@ def rand_augment(
     out = x.clone()
     for _ in range(num_ops):
         op, applied, mag, sign = _draw_layer(len(x), gen, names, prob, magnitude, magnitude_std)
+        if _sync_free(x, sync_free):
+            op, applied, mag, sign = (
+                t.to(x.device, non_blocking=True) for t in (op, applied, mag, sign)
+            )
+            frac = mag.clamp(0.0, upper) / _LEVEL_DENOM
+            out = _layer_on_device(out, names, op, applied, frac, frac * sign, fill)
+            continue
         segs, order = _group_applied_ops(names, op, applied)
         if not order:
             continue

@@ -29,7 +29,9 @@ from lgvit.data.randaugment import (
     RAND_INCREASING_TRANSFORMS,
     RAND_TRANSFORMS,
     _check_images,
+    _filled,
     _rand,
+    _sync_free,
     adjust_brightness,
     adjust_color,
     adjust_contrast,
@@ -89,7 +91,6 @@ __all__ = [
 
 def _randint(low: int, high: torch.Tensor | int, shape: tuple[int, ...], gen: torch.Generator):
     """Uniform integers in [low, high) with a per-element ``high`` (torch.randint can't)."""
-    high = torch.as_tensor(high, device=gen.device)
     u = _rand(shape, gen)
     return (low + (u * (high - low)).floor()).long()
 
@@ -302,11 +303,11 @@ def normalize(
     c = x.shape[1]
     if len(mean) != c or len(std) != c:
         raise LgvitError(f"normalize: need {c} mean/std values, got {len(mean)}/{len(std)}")
-    m = torch.tensor(mean, dtype=torch.float64)
-    s = torch.tensor(std, dtype=torch.float64)
-    # One multiply-add instead of three elementwise passes.
-    scale = (1.0 / (255.0 * s)).to(torch.float32).to(x.device, non_blocking=True).view(1, c, 1, 1)
-    shift = (m / s).to(torch.float32).to(x.device, non_blocking=True).view(1, c, 1, 1)
+    # One multiply-add instead of three elementwise passes; the constants are filled in on the
+    # device (float64 arithmetic, then float32, as torch's own).
+    scale = _filled([1.0 / (255.0 * v) for v in std], x.device, torch.float32).view(1, c, 1, 1)
+    shift = _filled([m / v for m, v in zip(mean, std, strict=True)], x.device, torch.float32)
+    shift = shift.view(1, c, 1, 1)
     return torch.addcmul(-shift, x.to(torch.float32), scale)
 
 
@@ -321,6 +322,7 @@ def random_erasing(
     max_aspect: float | None = None,
     min_count: int = 1,
     max_count: int = 1,
+    sync_free: bool | None = None,
 ) -> torch.Tensor:
     """timm ``RandomErasing`` (batch applied per sample) on normalised float images.
 
@@ -328,7 +330,9 @@ def random_erasing(
     max_count]), each from up to 10 attempts with area fraction ~ U(min_area, max_area) / count
     and log-uniform aspect ratio; a box is used only if it fits strictly inside the image.
     Fill: 'pixel' per-pixel N(0, 1), 'rand' per-channel N(0, 1), 'const' zeros.
-    Returns a new tensor.
+    Returns a new tensor. ``sync_free`` (default: off the CPU) masks every image instead of
+    picking the erased ones on the host: the same boxes from the same draws, but noise is drawn
+    for every image, so 'pixel' and 'rand' fills differ from the picking path's.
     """
     _check_images(x, "random_erasing", uint8=False)
     if mode not in ("pixel", "rand", "const"):
@@ -357,6 +361,9 @@ def random_erasing(
         top = (_rand((b,), gen) * (h - eh + 1)).floor()  # random.randint(0, h - eh)
         left = (_rand((b,), gen) * (w - ew + 1)).floor()
         active = do & (count > i) & ok.any(1)
+        if _sync_free(x, sync_free):
+            out = _erase_all(out, active, (top, left, eh, ew), mode, noise_gen)
+            continue
         rows = active.nonzero().view(-1)
         if rows.numel() == 0:
             continue
@@ -374,6 +381,23 @@ def random_erasing(
         r = rows.to(x.device, non_blocking=True)
         out[r] = torch.where(mask, fill, out[r])
     return out
+
+
+def _erase_all(
+    x: torch.Tensor, active: torch.Tensor, box: tuple[torch.Tensor, ...], mode: str, gen
+) -> torch.Tensor:
+    """One round of erasing as a mask over the whole batch (``active``: which images get their
+    box ``(top, left, height, width)``), with no host decision."""
+    b, c, h, w = x.shape
+    t, le, eh, ew = (v.to(x.device, non_blocking=True).view(b, 1, 1, 1) for v in box)
+    ys = torch.arange(h, device=x.device).view(1, 1, h, 1)
+    xs = torch.arange(w, device=x.device).view(1, 1, 1, w)
+    mask = (ys >= t) & (ys < t + eh) & (xs >= le) & (xs < le + ew)
+    mask &= active.to(x.device, non_blocking=True).view(b, 1, 1, 1)
+    if mode == "const":
+        return torch.where(mask, torch.zeros((), device=x.device, dtype=x.dtype), x)
+    shape = (b, c, h, w) if mode == "pixel" else (b, c, 1, 1)
+    return torch.where(mask, torch.randn(shape, generator=gen, device=x.device, dtype=x.dtype), x)
 
 
 def one_hot_smooth(y: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
@@ -414,6 +438,7 @@ def mixup_cutmix(
     label_smoothing: float = 0.1,
     mode: str = "batch",
     correct_lam: bool = True,
+    sync_free: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """timm ``Mixup`` ('batch' or 'elem' mode): returns (mixed images, soft targets (B, K)).
 
@@ -423,6 +448,8 @@ def mixup_cutmix(
     Beta(alpha, alpha); cutmix lam is corrected to the pasted box's area. Targets are
     ``lam * smooth(y) + (1 - lam) * smooth(y.flip(0))``. timm's numpy draws are reproduced
     with a ``numpy.random.RandomState`` seeded from ``gen``. Batch size must be even.
+    ``sync_free`` (default: off the CPU) draws the same distributions with torch on ``gen``'s
+    device instead (:func:`_mix_draws`) and decides nothing on the host.
     """
     _check_images(x, "mixup_cutmix", uint8=False)
     b, _, h, w = x.shape
@@ -430,6 +457,11 @@ def mixup_cutmix(
         raise LgvitError(f"mixup_cutmix: batch size must be even, got {b}")
     if mode not in ("batch", "elem"):
         raise LgvitError(f"mixup_cutmix: unsupported mode {mode!r} (use 'batch' or 'elem')")
+    args = (mixup_alpha, cutmix_alpha, switch_prob, prob, correct_lam)
+    if _sync_free(x, sync_free):
+        lam, cut, *box = _mix_draws(gen, 1 if mode == "batch" else b, h, w, *args)
+        lam, cut, *box = (v.to(x.device, non_blocking=True).expand(b) for v in (lam, cut, *box))
+        return _mixed(x, y, num_classes, label_smoothing, lam.to(torch.float32), cut, box)
     seed = int(torch.randint(0, 2**32 - 1, (1,), generator=gen, device=gen.device))
     rs = np.random.RandomState(seed)
     n = 1 if mode == "batch" else b
@@ -464,20 +496,84 @@ def mixup_cutmix(
             else:
                 out = x * float(lam[0]) + x.flip(0) * (1.0 - float(lam[0]))
         lam_t = torch.full((b, 1), float(lam[0]), dtype=torch.float32, device=x.device)
-    else:
-        lam_t = torch.from_numpy(lam).to(torch.float32).to(x.device, non_blocking=True).view(b, 1)
-        cut = torch.from_numpy(use_cutmix).to(x.device, non_blocking=True).view(b, 1, 1, 1)
-        ys = torch.arange(h, device=x.device).view(1, 1, h, 1)
-        xs = torch.arange(w, device=x.device).view(1, 1, 1, w)
+        return out, _mixed_targets(y, num_classes, label_smoothing, lam_t, x.device)
 
-        def col(v: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(v).to(x.device, non_blocking=True).view(b, 1, 1, 1)
+    def on_device(v: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(v).to(x.device, non_blocking=True)
 
-        in_box = (ys >= col(yl)) & (ys < col(yh)) & (xs >= col(xl)) & (xs < col(xh))
-        flipped = x.flip(0)
-        lam4 = lam_t.view(b, 1, 1, 1).to(x.dtype)
-        mixed = x * lam4 + flipped * (1.0 - lam4)
-        out = torch.where(cut, torch.where(in_box, flipped, x), mixed)
-    y1 = one_hot_smooth(y, num_classes, label_smoothing).to(x.device, non_blocking=True)
-    y2 = one_hot_smooth(y.flip(0), num_classes, label_smoothing).to(x.device, non_blocking=True)
-    return out, y1 * lam_t + y2 * (1.0 - lam_t)
+    lam_t = on_device(lam).to(torch.float32)
+    box = [on_device(v) for v in (yl, yh, xl, xh)]
+    return _mixed(x, y, num_classes, label_smoothing, lam_t, on_device(use_cutmix), box)
+
+
+def _mix_draws(
+    gen: torch.Generator,
+    n: int,
+    h: int,
+    w: int,
+    mixup_alpha: float,
+    cutmix_alpha: float,
+    switch_prob: float,
+    prob: float,
+    correct_lam: bool,
+) -> tuple[torch.Tensor, ...]:
+    """timm's Mixup draws for ``n`` lambdas with torch on ``gen``'s device: (lam float64,
+    cutmix? bool, the box's top, bottom, left, right)."""
+    f64 = dict(dtype=torch.float64, device=gen.device)
+
+    def beta(alpha: float) -> torch.Tensor:
+        # Beta(a, a) as a 2-way Dirichlet: torch.distributions takes no generator.
+        return torch._sample_dirichlet(torch.full((n, 2), alpha, **f64), generator=gen)[:, 0]
+
+    lam = torch.ones(n, **f64)
+    cut = torch.zeros(n, dtype=torch.bool, device=gen.device)
+    if mixup_alpha > 0 or cutmix_alpha > 0:
+        if mixup_alpha > 0 and cutmix_alpha > 0:
+            cut = _rand((n,), gen) < switch_prob
+            lam_mix = torch.where(cut, beta(cutmix_alpha), beta(mixup_alpha))
+        else:
+            cut = torch.full((n,), mixup_alpha <= 0, device=gen.device)
+            lam_mix = beta(mixup_alpha if mixup_alpha > 0 else cutmix_alpha)
+        lam = torch.where(_rand((n,), gen) < prob, lam_mix, lam)
+    cut &= lam != 1.0
+    # timm's rand_bbox (no margin): a box of area about (1 - lam) centred at a random pixel.
+    ratio = torch.sqrt(1.0 - lam)
+    cut_h, cut_w = (h * ratio).long(), (w * ratio).long()
+    cy, cx = (_rand((n,), gen) * h).long(), (_rand((n,), gen) * w).long()
+    yl, yh = (cy - cut_h // 2).clamp(0, h), (cy + cut_h // 2).clamp(0, h)
+    xl, xh = (cx - cut_w // 2).clamp(0, w), (cx + cut_w // 2).clamp(0, w)
+    if correct_lam:
+        lam = torch.where(cut, 1.0 - ((yh - yl) * (xh - xl)).double() / (h * w), lam)
+    return lam, cut, yl, yh, xl, xh
+
+
+def _mixed(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    smoothing: float,
+    lam: torch.Tensor,
+    cut: torch.Tensor,
+    box: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per image: its box ``(top, bottom, left, right)`` of its mirror pasted in (``cut``) or
+    a blend with its mirror, weight ``lam`` (float32, (B,)); and the mixed soft targets."""
+    b, _, h, w = x.shape
+    yl, yh, xl, xh = (v.view(b, 1, 1, 1) for v in box)
+    ys = torch.arange(h, device=x.device).view(1, 1, h, 1)
+    xs = torch.arange(w, device=x.device).view(1, 1, 1, w)
+    in_box = (ys >= yl) & (ys < yh) & (xs >= xl) & (xs < xh)
+    flipped = x.flip(0)
+    lam4 = lam.view(b, 1, 1, 1).to(x.dtype)
+    mixed = x * lam4 + flipped * (1.0 - lam4)
+    out = torch.where(cut.view(b, 1, 1, 1), torch.where(in_box, flipped, x), mixed)
+    return out, _mixed_targets(y, num_classes, smoothing, lam.view(b, 1), x.device)
+
+
+def _mixed_targets(
+    y: torch.Tensor, num_classes: int, smoothing: float, lam: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """``lam * smooth(y) + (1 - lam) * smooth(y.flip(0))``, on ``device``."""
+    y1 = one_hot_smooth(y, num_classes, smoothing).to(device, non_blocking=True)
+    y2 = one_hot_smooth(y.flip(0), num_classes, smoothing).to(device, non_blocking=True)
+    return y1 * lam + y2 * (1.0 - lam)
