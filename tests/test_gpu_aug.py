@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_DEVICE
 from PIL import Image, ImageOps
 from torch.overrides import TorchFunctionMode
 
@@ -250,3 +251,42 @@ def test_a_gpu_recipe_draws_on_a_generator_of_the_batch_device(monkeypatch, devi
     _, gen = loader.recipe.pass_start()
     assert gen.device == torch.device(want)
     assert _FakeGenerator.made == [torch.device(want)]
+
+
+@pytest.fixture(params=[TEST_DEVICE])
+def device(request: pytest.FixtureRequest) -> str:
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("LGVIT_TEST_DEVICE=cuda, but torch.cuda.is_available() is False here")
+    return request.param
+
+
+@pytest.mark.device
+def test_on_the_device_the_recipe_syncs_nothing_and_matches_the_cpu(device):
+    """On LGVIT_TEST_DEVICE: a whole pass of the recipe with no sync (CUDA: under
+    ``torch.cuda.set_sync_debug_mode("error")``, which raises at the first), and RandAugment
+    from the CPU's draws giving the CPU's bytes, but for CUDA's float rounding (a level, in a
+    few pixels; a sample point on an image's edge may fall on the other side of it)."""
+    aug = AugmentConfig(img_size=12, rand_augment="rand-m9-mstd0.5-inc1-n3", reprob=1.0,
+                        mixup_mode="elem", recount=2)  # fmt: skip
+    loader = BatchLoader(_images(24, 14), torch.arange(24) % 5, 8, num_classes=5, train=True,
+                         aug=aug, seed=3, device=device)  # fmt: skip
+    loader.recipe.sync_free = True  # the default off the CPU; forced on it
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            batches = list(loader)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    else:
+        it = iter(loader)
+        batches = [next(it)]
+        with HostSyncGuard() as guard:
+            batches += list(it)
+        assert guard.calls == []
+    assert len(batches) == 3 and all(x.device.type == device for x, _ in batches)
+    x = _images(32, 16, seed=5)
+    want = T.rand_augment(x, torch.Generator().manual_seed(3), num_ops=3)
+    got = T.rand_augment(x.to(device), torch.Generator().manual_seed(3), num_ops=3, sync_free=True)
+    diff = (got.cpu().int() - want.int()).abs()
+    assert (diff > 0).float().mean() < 0.02 and (diff > 1).float().mean() < 1e-3
