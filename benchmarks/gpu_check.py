@@ -53,9 +53,9 @@ PARTS = (
     ("a", "CUDA against CPU per model family", 35),
     ("b", "the CUDA test subset (LGVIT_TEST_DEVICE=cuda)", 45),
     ("c", "training: precisions, optimizers, EMA, non-finite skip, host syncs", 45),
-    ("d", "lgvit bench on CUDA (bf16, eager and compiled) beside papers and timm", 100),
+    ("d", "lgvit bench on CUDA (bf16, eager and compiled) beside papers and timm", 85),
     ("e", "lsa_tiny_cifar on CIFAR-10 for ~2.5 minutes", 215),
-    ("f", "compile time, compiled/eager speed and equality of LSA and LIT", 30),
+    ("f", "compile time, compiled/eager speed and equality of LSA and LIT", 45),
 )
 TOTAL_S = 470  # the whole check, its own start-up included: under 8 minutes
 SMOKE_PART_S = 120  # a part's limit with --smoke (a slow shared CPU; the test asks far less)
