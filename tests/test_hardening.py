@@ -240,10 +240,10 @@ class _Batches:
 
 
 def _epoch(one_epoch, monkeypatch, bad: set[int], on_device: bool, max_nonfinite: int = 5):
-    from lgvit.run import engine
+    from lgvit.run import nonfinite
     from lgvit.run.config import TrainConfig
 
-    monkeypatch.setattr(engine, "skips_on_device", lambda *a: on_device)
+    monkeypatch.setattr(nonfinite, "skips_on_device", lambda *a: on_device)
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)

@@ -165,6 +165,72 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
     return torch.autocast(device.type, dtype=dtype)
 
 
+# --------------------------------------------------------------------------------- numerics
+
+# cuBLAS's setting for deterministic results (CUDA's documentation; torch asks for it).
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+_saved_numerics: dict[str, object] | None = None
+
+
+def _numerics_now() -> dict[str, object]:
+    try:
+        precision: str | None = torch.get_float32_matmul_precision()
+    except RuntimeError:  # set through torch's newer per-backend API: not ours to read back
+        precision = None
+    return {
+        "precision": precision,
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+        "benchmark": torch.backends.cudnn.benchmark,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    }
+
+
+def set_numerics(device: torch.device, tf32: bool, deterministic: bool) -> None:
+    """The run's numerics, set once at its start (:func:`restore_numerics` undoes them).
+
+    On CUDA, ``tf32``: fp32 matmuls and convolutions run in TF32 (``'high'`` matmul precision,
+    as timm's train.py); off, in IEEE fp32. ``deterministic``: torch's deterministic algorithms
+    (an op without one warns once rather than stopping the run), cuDNN without autotuning and
+    cuBLAS's fixed workspace (set before the run's first matmul); off, cuDNN autotunes (timm's
+    choice). On the CPU only the deterministic-algorithm switch applies: TF32 is a GPU format.
+    """
+    global _saved_numerics
+    if _saved_numerics is None:
+        _saved_numerics = _numerics_now()
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cudnn.benchmark = not deterministic
+        torch.backends.cudnn.deterministic = deterministic
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+
+
+def restore_numerics() -> None:
+    """The settings from before the first :func:`set_numerics` (a run inside a longer process
+    leaves it as it found it)."""
+    global _saved_numerics
+    saved, _saved_numerics = _saved_numerics, None
+    if saved is None:
+        return
+    if saved["precision"] is not None:
+        torch.set_float32_matmul_precision(str(saved["precision"]))
+    torch.backends.cudnn.allow_tf32 = bool(saved["cudnn_tf32"])
+    torch.backends.cudnn.benchmark = bool(saved["benchmark"])
+    torch.backends.cudnn.deterministic = bool(saved["cudnn_deterministic"])
+    torch.use_deterministic_algorithms(
+        bool(saved["deterministic"]), warn_only=bool(saved["warn_only"])
+    )
+    if saved["cublas"] is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = str(saved["cublas"])
+
+
 # --------------------------------------------------------------------------------- processes
 
 
@@ -180,14 +246,40 @@ class Dist:
         return self.rank == 0
 
 
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    try:
+        return int(value)
+    except ValueError:
+        raise LgvitError(f"{name}={value!r}: expected an integer (torchrun sets it)") from None
+
+
+def check_local_rank(local: int, local_world: int) -> None:
+    """One GPU per process: a process whose LOCAL_RANK has no CUDA device of its own is refused
+    (torchrun --nproc_per_node 2 on a one-GPU machine would ask for ``cuda:1``). Every process
+    of the machine checks the machine's highest local rank, so all of them stop with the same
+    line at once instead of the others waiting for the missing one."""
+    count = torch.cuda.device_count()
+    highest = max(local, local_world - 1)
+    if highest >= count:
+        devices = f"{count} CUDA device" + ("" if count == 1 else "s")
+        raise LgvitError(
+            f"LOCAL_RANK {highest} but this machine has {devices}: start at most {count} "
+            f"process(es) per machine (torchrun --nproc_per_node {count}), one per GPU, "
+            "or use --device cpu"
+        )
+
+
 def setup_distributed(device_name: str = "auto") -> Dist:
     """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: gloo on CPU, nccl on CUDA. ``device_name``:
     ``auto`` (CUDA when there is one), ``cpu`` or ``cuda`` (each process its local GPU)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    world = _env_int("WORLD_SIZE", 1)
+    local = _env_int("LOCAL_RANK", 0)
     use_cuda = torch.cuda.is_available() if device_name == "auto" else device_name == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise LgvitError("--device cuda: no CUDA device is available here (use --device cpu)")
+    if use_cuda:
+        check_local_rank(local, _env_int("LOCAL_WORLD_SIZE", local + 1))
     device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -141,6 +141,9 @@ class TrainConfig:
     device: str = "auto"  # auto (CUDA when there is one) | cpu | cuda
     amp: str = "auto"  # auto | bf16 | fp16 | none: mixed precision (auto: bf16 where supported)
     compile: bool = False  # torch.compile the model
+    tf32: bool = True  # CUDA: fp32 matmuls and convolutions in TF32 (timm's choice); false: IEEE
+    # deterministic CUDA kernels (cuBLAS workspace, no cuDNN autotuning): exact reruns, slower
+    deterministic: bool = False
     grad_checkpointing: bool = False  # recompute block activations in backward (less memory)
     seed: int = 0  # data order, augmentation and initialisation
     workers: int = 2  # decoding processes when an image folder streams from its files

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import json
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,9 +36,19 @@ from lgvit.checkpoints.files import (
 from lgvit.core.atomic import atomic_save_safetensors, atomic_write_bytes
 from lgvit.core.errors import LgvitError
 from lgvit.core.progress import RunClock, StepProgress, format_duration, on_terminal
-from lgvit.core.runtime import Dist, all_reduce_sum, barrier, resolve_amp, seed_everything
+from lgvit.core.runtime import (
+    Dist,
+    all_reduce_sum,
+    barrier,
+    resolve_amp,
+    restore_numerics,
+    seed_everything,
+    set_numerics,
+)
 from lgvit.data.protocol import Loader, TrainLoader, check_loaders
 from lgvit.run.config import TrainConfig, config_from_dict, config_to_dict, save_config, scaled_lr
+from lgvit.run.nonfinite import NonFiniteGuard
+from lgvit.run.nonfinite import NonFiniteLoss as NonFiniteLoss  # where callers import it
 from lgvit.run.optim import (
     ModelEma,
     build_optimizer,
@@ -114,32 +123,6 @@ class Task(Protocol):
 # --------------------------------------------------------------------------------- interruptions
 
 
-class NonFiniteLoss(LgvitError):
-    pass
-
-
-def _stop_nonfinite(cfg: TrainConfig, what: str) -> None:
-    kept = (
-        f"the last good checkpoint is kept in {cfg.out}"
-        if checkpoint_paths(Path(cfg.out) / "last")[0].exists()
-        else "no checkpoint had been saved yet"
-    )
-    raise NonFiniteLoss(f"{what}; stopping. {kept} (lower --set lr=... or try --amp none)")
-
-
-def skips_on_device(
-    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, device: torch.device
-) -> bool:
-    """Whether a non-finite loss skips the step on the device, with no host sync per step: on
-    a GPU, for fused optimizers (AdamW here), which take ``found_inf`` as a GradScaler passes
-    it. Elsewhere the host checks each loss (on a CPU that costs nothing)."""
-    return (
-        device.type == "cuda"
-        and scaler is None
-        and getattr(optimizer, "_step_supports_amp_scaling", False)
-    )
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     model = getattr(model, "_orig_mod", model)  # torch.compile
     return getattr(model, "module", model)  # DDP
@@ -172,8 +155,12 @@ class Optimisation:
             g["lr"] = lr * g.get("lr_scale", 1.0)
         return lr
 
-    def step(self, model: nn.Module, loss: torch.Tensor, clip_grad: float | None) -> None:
-        """Backward and the optimizer step (the EMA follows the updated weights)."""
+    def step(
+        self, model: nn.Module, loss: torch.Tensor, clip_grad: float | None,
+        skip: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """Backward and the optimizer step (the EMA follows the updated weights; ``skip``: a
+        device flag, set when the step is skipped on the device, which the EMA skips too)."""
         scaler = self.scaler
         if scaler is not None:
             scaler.scale(loss).backward()
@@ -188,48 +175,7 @@ class Optimisation:
         else:
             self.optimizer.step()
         if self.ema is not None:
-            self.ema.update(unwrap(model))
-
-
-class _NonFinite:
-    """Non-finite losses: counted on the device without a host sync (GPU, fused AdamW: the
-    step itself is skipped in its kernel) or checked on the host per step (a step skipped)."""
-
-    def __init__(self, opt: Optimisation, cfg: TrainConfig, d: Dist) -> None:
-        self.opt, self.cfg = opt, cfg
-        self.on_device = skips_on_device(opt.optimizer, opt.scaler, d.device)
-        self.count_dev = torch.zeros((), dtype=torch.int64, device=d.device)
-        self.count = 0
-
-    def before_step(self, loss: torch.Tensor, epoch: int, i: int) -> bool:
-        """Before the step (gradients cleared): True when the host skips it, with a warning."""
-        self.opt.optimizer.zero_grad(set_to_none=True)
-        if self.on_device:
-            # The fused step reads `found_inf` in its kernel and leaves the weights and its
-            # state alone when it is set, as under a GradScaler.
-            self.bad = ~torch.isfinite(loss)
-            self.opt.optimizer.found_inf = self.bad.float()
-            self.count_dev += self.bad
-            return False
-        if torch.isfinite(loss):
-            return False
-        self.count += 1
-        where = f"loss is {loss.item()} at epoch {epoch + 1} step {i + 1}"
-        if self.count > self.cfg.max_nonfinite:
-            _stop_nonfinite(self.cfg, where)
-        warnings.warn(f"{where}: skipped", stacklevel=3)
-        return True
-
-    def finite_part(self, loss: torch.Tensor) -> torch.Tensor:
-        """After the step: the loss to sum (0 for a step skipped on the device)."""
-        if not self.on_device:
-            return loss.detach()
-        del self.opt.optimizer.found_inf
-        return torch.where(self.bad, 0.0, loss.detach())
-
-    def check(self, where: str) -> None:
-        if self.on_device and int(self.count_dev) > self.cfg.max_nonfinite:
-            _stop_nonfinite(self.cfg, f"{int(self.count_dev)} non-finite losses {where}")
+            self.ema.update(unwrap(model), skip)
 
 
 def train_one_epoch(
@@ -251,7 +197,7 @@ def train_one_epoch(
     sum_dtype = torch.float32 if d.device.type == "mps" else torch.float64
     loss_sum = torch.tensor(start.loss_sum, dtype=sum_dtype, device=d.device)
     images = start.images
-    nonfinite = _NonFinite(run.opt, cfg, d)
+    nonfinite = NonFiniteGuard(run.opt.optimizer, run.opt.scaler, cfg, d.device)
     bar = d.main and on_terminal()
     budget = run.opt.schedule["total_steps"]  # an iteration budget may end inside the epoch
     progress = StepProgress(min(len(loader) - start.batch, budget - step),
@@ -265,7 +211,7 @@ def train_one_epoch(
         loss, n = run.task.loss(run.net, batch, epoch, d, run.amp)
         if nonfinite.before_step(loss, epoch, i):
             continue
-        run.opt.step(run.net, loss, cfg.clip_grad)
+        run.opt.step(run.net, nonfinite.backward_loss(loss), cfg.clip_grad, nonfinite.bad)
         loss_sum += nonfinite.finite_part(loss).to(sum_dtype)
         images += n
         step += 1
@@ -288,7 +234,7 @@ def train_one_epoch(
 
 def _report_step(
     run: Run, progress: StepProgress, loss: torch.Tensor, lr: float, n: int, step: int,
-    epoch: int, i: int, bar: bool, nonfinite: _NonFinite,
+    epoch: int, i: int, bar: bool, nonfinite: NonFiniteGuard,
 ) -> None:  # fmt: skip
     """The progress bar (figures twice a second), and a log line every ``log_every`` steps."""
     cfg, world, loader = run.cfg, run.d.world_size, run.prepared.train_loader
@@ -421,6 +367,7 @@ def run(
         return _run(cfg, task, explicit, d, out, lock, ctl, resumed)
     finally:
         ctl.restore()
+        restore_numerics()
         lock.release()
         if created and d.main and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # a refused start leaves no trace
@@ -528,6 +475,7 @@ def _start(
     log = RunLog(out, d.main)
     cfg, stem, weights, state = _resumed_config(cfg, task, explicit, out, d)
     ctl.cfg = cfg
+    set_numerics(d.device, cfg.tf32, cfg.deterministic)  # before the run's first matmul
     if d.main:
         if lock.note:
             log(f"{out}: {lock.note}", console=True)

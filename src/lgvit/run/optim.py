@@ -79,7 +79,13 @@ def warn_long_warmup(cfg: TrainConfig, schedule: dict[str, Any]) -> None:
 
 class Lamb(torch.optim.Optimizer):
     """LAMB (You et al. 2020): Adam's update with decoupled weight decay, scaled per tensor by
-    the trust ratio ``||w|| / ||update||`` (1 where either norm is zero), as timm's ``lamb``."""
+    the trust ratio ``||w|| / ||update||`` (1 where either norm is zero), as timm's ``lamb``.
+
+    Like torch's fused optimizers it takes ``found_inf`` (and ``grad_scale``) as a GradScaler
+    hands them over: a step with ``found_inf`` set leaves the weights and the state as they
+    were, decided on the device (:meth:`_step_on_device`)."""
+
+    _step_supports_amp_scaling = True
 
     def __init__(self, params: Any, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0) -> None:  # fmt: skip
@@ -87,6 +93,11 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        found_inf = getattr(self, "found_inf", None)
+        grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is not None or grad_scale is not None:
+            self._step_on_device(found_inf, grad_scale)
+            return None
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:
@@ -110,13 +121,59 @@ class Lamb(torch.optim.Optimizer):
                 p.add_(update * trust, alpha=-group["lr"])
         return None
 
+    def _step_on_device(self, found_inf: torch.Tensor | None, grad_scale: Any) -> None:
+        """The step with no host sync: where ``found_inf`` is set, the moments take a zero
+        weight, the step count adds 0 and the update is replaced by 0, so nothing changes. The
+        step count is a device tensor here (the bias corrections are computed from it)."""
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                bad = torch.zeros((), dtype=torch.bool, device=p.device)
+                if found_inf is not None:
+                    bad = found_inf.to(p.device) > 0
+                keep = (~bad).to(p.dtype)
+                g = p.grad if grad_scale is None else p.grad / grad_scale.to(p.device)
+                g = torch.where(bad, 0.0, g)  # a NaN gradient times a zero weight is still NaN
+                st = self.state[p]
+                if not st:
+                    st["m"] = torch.zeros_like(p)
+                    st["v"] = torch.zeros_like(p)
+                step = st.get("step", 0)  # new, saved by the host path, or loaded on the CPU
+                if not torch.is_tensor(step) or step.device != p.device:
+                    st["step"] = torch.as_tensor(step, dtype=torch.float32, device=p.device)
+                st["step"] += keep
+                st["m"].lerp_(g, keep * (1 - b1))
+                st["v"].mul_(torch.where(bad, 1.0, b2)).addcmul_(g, g, value=1 - b2)
+                m_hat = st["m"] / (1 - b1 ** st["step"])
+                v_hat = st["v"] / (1 - b2 ** st["step"])
+                update = m_hat / (v_hat.sqrt() + group["eps"])
+                if group["weight_decay"]:
+                    update.add_(p, alpha=group["weight_decay"])
+                w_norm, u_norm = p.norm(), update.norm()
+                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
+                # 0/0 on a skipped first step: where, not a product, keeps the weights exact
+                p.add_(torch.where(bad, 0.0, update * trust), alpha=-group["lr"])
+
 
 def build_optimizer(
     cfg: TrainConfig, groups: list[dict[str, Any]], lr: float, device: torch.device
 ) -> torch.optim.Optimizer:
     """``opt``: AdamW (the papers'), SGD with Nesterov momentum, or LAMB."""
     if cfg.opt == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True)
+        # Fused on a GPU: its step takes found_inf (a non-finite loss skipped with no sync).
+        # The CPU keeps the foreach kernel its runs have always used.
+        if device.type != "cuda":
+            return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True)
+        sgd = torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True, fused=True)
+        # torch's fused SGD makes its buffers with empty_like just before its first step, which
+        # a found_inf skips: they would stay uninitialised. Zeros make the first step's
+        # momentum*0 + grad exactly the grad torch starts from (dampening 0).
+        for group in sgd.param_groups:
+            for p in group["params"]:
+                sgd.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        return sgd
     if cfg.opt == "lamb":
         return Lamb(groups, lr=lr, betas=tuple(cfg.opt_betas), eps=cfg.opt_eps)
     fused = {"fused": True} if device.type in ("cpu", "cuda") else {}
@@ -162,12 +219,22 @@ class ModelEma:
         self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
+    def update(self, model: nn.Module, skip: torch.Tensor | None = None) -> None:
+        """Follow the weights; ``skip``: a device flag of a step skipped on the device, which
+        leaves the average as it is (as a skipped step on the host does), with no sync."""
+        if skip is None:
+            for k, v in model.state_dict().items():
+                if v.dtype.is_floating_point:
+                    self.shadow[k].lerp_(v.detach(), 1 - self.decay)
+                else:
+                    self.shadow[k].copy_(v)
+            return
+        weight = torch.where(skip, 0.0, 1 - self.decay)
         for k, v in model.state_dict().items():
             if v.dtype.is_floating_point:
-                self.shadow[k].lerp_(v.detach(), 1 - self.decay)
+                self.shadow[k].lerp_(v.detach(), weight.to(v.device, self.shadow[k].dtype))
             else:
-                self.shadow[k].copy_(v)
+                self.shadow[k].copy_(torch.where(skip.to(v.device), self.shadow[k], v))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.shadow
