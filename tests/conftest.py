@@ -3,12 +3,70 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 
 import pytest
 import torch
+
+# Which device the device-sensitive tests (tests/test_device.py, marked ``device``) run on:
+# ``cpu`` (unset) or ``cuda`` (LGVIT_TEST_DEVICE=cuda, on a GPU machine). Every other test is a
+# CPU test: its commands leave ``--device`` at ``auto``, which would pick a GPU.
+TEST_DEVICE = os.environ.get("LGVIT_TEST_DEVICE", "").strip().lower() or "cpu"
+TEST_DEVICES = ("cpu", "cuda")
+# CUDA_VISIBLE_DEVICES as the run's first pytest process found it (JSON; null: unset), kept
+# in a variable of its own because the pin below hides the GPUs from every process it starts,
+# xdist's workers included.
+_FOUND = "LGVIT_TEST_FOUND_CUDA_VISIBLE_DEVICES"
+os.environ.setdefault(_FOUND, json.dumps(os.environ.get("CUDA_VISIBLE_DEVICES")))
+
+
+def _reveal(env: MutableMapping[str, str]) -> None:
+    found = json.loads(env.get(_FOUND, "null"))
+    if found is None:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = found
+
+
+def device_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) for a command a device test starts: it sees the GPUs
+    the run was given, where a CPU test's command sees none."""
+    env = dict(os.environ if env is None else env)
+    _reveal(env)
+    return env
+
+
+if TEST_DEVICE == "cuda":
+    _reveal(os.environ)
+    if torch.cuda.is_available():
+        # CUDA reads CUDA_VISIBLE_DEVICES once, when it initialises: initialised now (and the
+        # count cached, which torch reads from the variable until then), this process keeps
+        # its GPUs for the device tests while every command a CPU test starts sees none.
+        torch.cuda.init()
+        torch.cuda.device_count()
+# Hidden before anything initialises CUDA, so `make test` on a GPU machine runs as on a CPU
+# one, in this process and in every command it starts (they inherit the variable).
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "device: runs on LGVIT_TEST_DEVICE (cpu or cuda)")
+    if TEST_DEVICE not in TEST_DEVICES:
+        raise pytest.UsageError(
+            f"LGVIT_TEST_DEVICE={TEST_DEVICE!r}: must be one of {', '.join(TEST_DEVICES)}"
+        )
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_device_test(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Under LGVIT_TEST_DEVICE=cuda this process still sees its GPUs (for the device tests):
+    every other test's ``auto`` device resolves to the CPU, as in the plain suite."""
+    if TEST_DEVICE == "cuda" and request.node.get_closest_marker("device") is None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs one worker per core (pytest -n auto): each gets one thread, and so do the
