@@ -97,6 +97,12 @@ class Part:
     def device(self) -> str:
         return self.args.device
 
+    def scratch(self, name: str) -> Path:
+        """A folder for the part's runs, beside its result file: the runner removes it."""
+        path = self.path.parent / name
+        path.mkdir(exist_ok=True)
+        return path
+
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
@@ -341,7 +347,7 @@ def _short(filename: str) -> str:
 def part_c(p: Part) -> None:
     import torch
 
-    tmp = Path(tempfile.mkdtemp(prefix="gpu_check_c_"))
+    tmp = p.scratch("c")
     runs = [("bf16 fused AdamW", "bf16", ()), ("fp16 GradScaler fused AdamW", "fp16", ()),
             ("fp32 fused AdamW", "none", ()), ("bf16 SGD", "bf16", ("--set", "opt=sgd")),
             ("bf16 LAMB", "bf16", ("--set", "opt=lamb")),
@@ -541,7 +547,7 @@ def part_e(p: Part) -> None:
     if not p.smoke and not Path(p.args.cifar).exists():
         p.data["skipped"] = f"--cifar {p.args.cifar}: no such file"
         return
-    out = Path(tempfile.mkdtemp(prefix="gpu_check_e_"))
+    out = p.scratch("e")
     # A failed plan still trains: the time limit stops a plan that runs long.
     epochs = 1 if p.smoke else p.item("planned epochs", lambda: _plan_epochs(p)).get("epochs", 15)
     data = (["--data", "synthetic", "--iters", "3", "--batch-size", "16", "--model",
