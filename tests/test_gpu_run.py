@@ -219,6 +219,24 @@ def test_a_run_skipping_on_the_device_matches_the_host_check(one_epoch, monkeypa
     assert loss_dev == pytest.approx(loss_host)
 
 
+def test_every_rank_skips_when_one_rank_has_a_nonfinite_loss(as_on_a_gpu, monkeypatch):
+    """DDP averages a NaN into every rank's gradients: the flag is agreed on (a max over the
+    ranks, on the device) so every rank skips the step and counts it."""
+    reduced = []
+
+    def all_reduce(t, op):  # noqa: ANN001, ANN202 -- the other rank's loss was NaN
+        reduced.append(op)
+        t.fill_(1)
+
+    monkeypatch.setattr(nonfinite.dist, "all_reduce", all_reduce)
+    model = _model()
+    opt = _optimizer("adamw", model)
+    guard = nonfinite.NonFiniteGuard(opt, None, _cfg(), torch.device("cpu"), distributed=True)
+    assert guard.before_step(torch.tensor(1.0), 0, 0) is False
+    assert reduced == [torch.distributed.ReduceOp.MAX]
+    assert bool(guard.bad) and float(opt.found_inf) == 1.0 and int(guard.count_dev) == 1
+
+
 def test_lamb_takes_the_step_count_the_host_path_saved(as_on_a_gpu):
     """A LAMB state saved by the host path (an int step) continues on the device path."""
     model = _model()

@@ -197,7 +197,7 @@ def train_one_epoch(
     sum_dtype = torch.float32 if d.device.type == "mps" else torch.float64
     loss_sum = torch.tensor(start.loss_sum, dtype=sum_dtype, device=d.device)
     images = start.images
-    nonfinite = NonFiniteGuard(run.opt.optimizer, run.opt.scaler, cfg, d.device)
+    nonfinite = NonFiniteGuard(run.opt.optimizer, run.opt.scaler, cfg, d.device, d.world_size > 1)
     bar = d.main and on_terminal()
     budget = run.opt.schedule["total_steps"]  # an iteration budget may end inside the epoch
     progress = StepProgress(min(len(loader) - start.batch, budget - step),

@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from lgvit.checkpoints.files import checkpoint_paths
 from lgvit.core.errors import LgvitError
@@ -60,8 +61,10 @@ class NonFiniteGuard:
         scaler: torch.amp.GradScaler | None,
         cfg: TrainConfig,
         device: torch.device,
+        distributed: bool = False,
     ) -> None:
         self.optimizer, self.scaler, self.cfg = optimizer, scaler, cfg
+        self.distributed = distributed
         self.on_device = skips_on_device(optimizer, scaler, device)
         self.count_dev = torch.zeros((), dtype=torch.int64, device=device)
         self.count = 0
@@ -71,7 +74,10 @@ class NonFiniteGuard:
         """Before the step (gradients cleared): True when the host skips it, with a warning."""
         self.optimizer.zero_grad(set_to_none=True)
         if self.on_device:
-            self.bad = ~torch.isfinite(loss.detach())
+            bad = (~torch.isfinite(loss.detach())).to(torch.int32)
+            if self.distributed:  # DDP averages one rank's NaN into every rank's gradients:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # all skip (and count) together
+            self.bad = bad.bool()
             self.count_dev += self.bad
             if self.scaler is None:  # as a GradScaler hands it over (it sets its own)
                 self.optimizer.grad_scale = None  # type: ignore[attr-defined]
