@@ -8,9 +8,11 @@ inference and training img/s, peak memory, beside the paper's params and AP.
     python benchmarks/bench_detection.py --size 128 160 --steps 1 --threads 1 --backbones lit_ti
 
 Every (backbone, detector) pair runs alone in a fresh spawned process (peak RSS is that
-process's, counted from just before its first training step); times are medians of ``--steps``
-after one warm-up. The detector is ``lgvit.dense.detection.create_detector(kind, backbone,
-num_classes=80)`` (torchvision's, 80 COCO classes) with its resize set to the input's own size
+process's, counted from just before its first training step; on CUDA: allocated memory); times
+are medians of ``--steps`` rounds after warm-up, as ``lgvit.tools.measure.time_fn`` times on the
+device (``--device cuda``: the GPU).
+The detector is ``lgvit.dense.detection.create_detector(kind, backbone, num_classes=80)``
+(torchvision's, 80 COCO classes) with its resize set to the input's own size
 (``min_size``/``max_size`` = the short/long side of ``--size``: 800/1333 at the default, LIT's
 setting; a smaller ``--size`` is then really measured at that size, not upscaled to 800).
 Inputs are random images in [0, 1], as torchvision's detectors take them (their transform
@@ -20,7 +22,8 @@ normalises and pads to a multiple of 32).
   (decoding, NMS, mask pasting) included.
 * Training: ``model(images, targets)`` with 3-8 random boxes per image (labels 0..79 for
   RetinaNet, 1..80 for Mask R-CNN, whose class 0 is background; Mask R-CNN also gets each box
-  filled as its uint8 mask), loss = the sum of the loss dict, backward, AdamW.
+  filled as its uint8 mask), loss = the sum of the loss dict, backward, the optimizer
+  ``lgvit train`` builds.
 * MACs (one image, FlopCounterMode / 2 as ``lgvit.tools.measure``): torchvision's postprocessing has
   data-dependent shapes (``nonzero``, NMS) the meta device cannot run, and with random weights
   the number of RoIs reaching Mask R-CNN's heads is arbitrary anyway. So what is counted is the
@@ -41,7 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from harness import time_infer_train
+from harness import add_device_flag, parse_device, time_infer_train
 
 from lgvit.tools.measure import (
     count_macs_of,
@@ -101,7 +104,7 @@ def random_targets(
 
 def measure(
     name: str, kind: str, size: tuple[int, int], batch: int, steps: int, amp: str, threads: int,
-    grad_checkpointing: bool = False,
+    grad_checkpointing: bool = False, device: str = "cpu",
 ) -> dict[str, Any]:  # fmt: skip
     from lgvit.dense.detection import create_detector
 
@@ -118,14 +121,18 @@ def measure(
     shape = batched.tensors.shape
     macs = count_macs_of(lambda: network_forward(meta, torch.zeros(shape, device="meta")))
     model = create_detector(kind, name, grad_checkpointing=grad_checkpointing, **kwargs)
+    model = model.to(device)
     bf16 = amp == "bf16"
     gen = torch.Generator().manual_seed(0)
     images = [torch.randint(0, 256, (3, h, w), generator=gen).float() / 255 for _ in range(batch)]
     targets = random_targets(kind, batch, h, w, gen)
+    images = [im.to(device) for im in images]
+    targets = [{k: v.to(device) for k, v in t.items()} for t in targets]
 
     t_inf, t_train, peak_gb = time_infer_train(
-        model, lambda: model(images), lambda: sum(model(images, targets).values()), steps, bf16
-    )
+        model, lambda: model(images), lambda: sum(model(images, targets).values()), steps, bf16,
+        device,
+    )  # fmt: skip
     return {
         "backbone": name, "detector": kind, "params_m": params / 1e6, "gmacs": macs / 1e9,
         "input": list(shape[-2:]), "infer_img_s": batch / t_inf, "train_img_s": batch / t_train,
@@ -153,15 +160,17 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--grad-checkpointing", action="store_true",
                    help="recompute backbone blocks in backward (LIT-S's configs)")  # fmt: skip
+    add_device_flag(p)
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the rows here")
     args = p.parse_args()
+    device = parse_device(args.device)
     torch.set_num_threads(args.threads)  # so describe_machine names the threads used
-    print(describe_machine())
+    print(describe_machine(device))
     rows = []
     for name in args.backbones:
         for kind in args.detectors:
             run = (name, kind, tuple(args.size), args.batch, args.steps, args.amp, args.threads,
-                   args.grad_checkpointing)  # fmt: skip
+                   args.grad_checkpointing, args.device)  # fmt: skip
             try:
                 rows.append(run_in_fresh_process(measure, run))
             except RuntimeError as e:  # one failing pair (e.g. out of memory) keeps the others
@@ -183,7 +192,7 @@ def main() -> None:
               f"{r['gmacs']:.1f} | {r['infer_img_s']:.3f} | {r['train_img_s']:.3f} | "
               f"{r['peak_train_gb']:.2f} | {ap} |")  # fmt: skip
     if args.json:
-        meta = {"machine": describe_machine(), "size": [h, w], "batch": args.batch,
+        meta = {"machine": describe_machine(device), "size": [h, w], "batch": args.batch,
                 "steps": args.steps, "amp": args.amp, "threads": args.threads,
                 "grad_checkpointing": args.grad_checkpointing}  # fmt: skip
         for r in rows:

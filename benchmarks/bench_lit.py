@@ -20,7 +20,8 @@ inputs, as their ``custom_fwd(cast_inputs=torch.float32)`` / apex ``float_functi
 kernel). Nothing of theirs is part of lgvit.
 
 Configurations alternate round by round (medians); every model runs in its own spawned process
-with the same runtime settings.
+with the same runtime settings. ``--device cuda`` runs them on the GPU (peak memory: the most
+allocated, not RSS).
 """
 
 from __future__ import annotations
@@ -39,15 +40,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
     ProcessRunner,
     add_authors_malloc_flag,
+    add_device_flag,
     alternate,
     describe_machine,
+    parse_device,
     results_table,
 )
 
 from lgvit.tools.measure import time_fn  # noqa: E402
 
 
-def merging_modules(batch: int, bf16: bool, rounds: int) -> dict[str, float]:
+def merging_modules(
+    batch: int, bf16: bool, rounds: int, device: torch.device | str = "cpu"
+) -> dict[str, float]:
     """DTM vs a plain 2x2 stride-2 conv on the same tokens: forward and forward + backward (ms)."""
     from lgvit.models.layers import DeformableTokenMerging, tokens_to_map
 
@@ -55,9 +60,11 @@ def merging_modules(batch: int, bf16: bool, rounds: int) -> dict[str, float]:
     dtm = DeformableTokenMerging(64, 128)
     nn.init.normal_(dtm.offset_conv.weight, std=0.05)  # trained offsets are not zero
     conv = nn.Conv2d(64, 128, 2, stride=2)
+    device = torch.device(device)
+    dtm, conv = dtm.to(device), conv.to(device)
     hw = (56, 56)
-    x = torch.randn(batch, 56 * 56, 64, requires_grad=True)
-    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    x = torch.randn(batch, 56 * 56, 64, device=device, requires_grad=True)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
     def run_dtm(backward: bool):
         def f() -> None:
@@ -84,19 +91,20 @@ def merging_modules(batch: int, bf16: bool, rounds: int) -> dict[str, float]:
     for _ in range(rounds):  # alternate the two
         for name, make in (("dtm", run_dtm), ("conv", run_conv)):
             with torch.no_grad():
-                times[name].append(time_fn(make(False), warmup=1, repeats=1))
+                times[name].append(time_fn(make(False), warmup=1, repeats=1, device=device))
     out = {f"{k} forward": 1000 * statistics.median(v) for k, v in times.items()}
     times = {k: [] for k in ("dtm", "conv")}
     for _ in range(rounds):
         for name, make in (("dtm", run_dtm), ("conv", run_conv)):
-            times[name].append(time_fn(make(True), warmup=1, repeats=1))
+            times[name].append(time_fn(make(True), warmup=1, repeats=1, device=device))
     out.update({f"{k} fwd+bwd": 1000 * statistics.median(v) for k, v in times.items()})
     return out
 
 
-def train_peak_memory(model: str, batch: int, threads: int) -> float:
-    """Peak RSS (GB) of a fresh process that builds ``model`` and runs training steps."""
-    r = ProcessRunner("harness:build_lgvit", threads=threads)
+def train_peak_memory(model: str, batch: int, threads: int, device: str = "cpu") -> float:
+    """Peak memory (GB; RSS, or on CUDA the most allocated) of a fresh process that builds
+    ``model`` and runs training steps."""
+    r = ProcessRunner("harness:build_lgvit", threads=threads, device=device)
     key = ("lgvit", model, "train", "fp32", batch)
     r.prepare(key, model, (3, 224, 224), True, False)
     r.time(key)
@@ -116,7 +124,7 @@ class _ExactDeformConv2d:
         from lgvit.models.layers.deform import deform_conv2d
 
         assert groups == 1 and dgroups == 1 and dilation in (1, (1, 1))
-        with torch.autocast("cpu", enabled=False):  # their custom_fwd casts to float32
+        with torch.autocast(x.device.type, enabled=False):  # their custom_fwd: float32
             f = (t.float() for t in (x, offset, weight, bias))
             return deform_conv2d(*f, stride, padding, use_torchvision=cls.use_torchvision)
 
@@ -142,7 +150,9 @@ def build_authors(name: str, dcn: str = "torchvision") -> nn.Module:  # the auth
 
 
 def against_authors(args: argparse.Namespace) -> None:
-    runners = {"lgvit": ProcessRunner("harness:build_lgvit", threads=args.threads)}
+    runners = {
+        "lgvit": ProcessRunner("harness:build_lgvit", threads=args.threads, device=args.device)
+    }
     for model, folder in AUTHORS_DIRS.items():
         paths = [os.path.join(args.authors_repo, "classification", folder), args.timm_src]
         runners[f"authors/{model}"] = ProcessRunner(
@@ -151,6 +161,8 @@ def against_authors(args: argparse.Namespace) -> None:
             threads=args.threads,
             paths=paths,
             tuned_malloc=args.authors_tuned_malloc,
+            device=args.device,
+            fused=False,  # their scripts' plain AdamW; ours: the one lgvit train builds
         )
     keys = []
     for mode in ("infer", "train"):
@@ -178,10 +190,11 @@ def against_authors(args: argparse.Namespace) -> None:
                 f"{ours['bf16'] / theirs['fp32']:4.2f}x"
             )
     rss = {impl: round(r.close(), 2) for impl, r in runners.items()}
-    print("peak RSS (GB, all configurations of a process):", rss)
+    print("peak memory (GB, all configurations of a process):", rss)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(machine=describe_machine(), rows=rows, rss_gb=rss), f, indent=2)
+            machine = describe_machine(args.device)
+            json.dump(dict(machine=machine, rows=rows, rss_gb=rss), f, indent=2)
 
 
 def main() -> None:
@@ -194,18 +207,23 @@ def main() -> None:
     ap.add_argument("--timm-src", help="folder with timm 0.3.2's `timm` package")
     add_authors_malloc_flag(ap)
     ap.add_argument("--authors-dcn", choices=("torchvision", "lgvit"), default="torchvision")
+    add_device_flag(ap)
     ap.add_argument("--json")
     args = ap.parse_args()
+    device = parse_device(args.device)
     if args.quick:
         args.batch, args.rounds = 2, 1
     torch.set_num_threads(args.threads)
-    print(describe_machine(), f"(children: {args.threads} threads), batch {args.batch}", flush=True)
+    print(describe_machine(device), f"(children: {args.threads} threads), batch {args.batch}",
+          flush=True)  # fmt: skip
     if args.authors_repo:
         if not args.timm_src:
             ap.error("--authors-repo needs --timm-src (their code imports timm 0.3.2)")
         return against_authors(args)
 
-    runners = {"lgvit": ProcessRunner("harness:build_lgvit", threads=args.threads)}
+    runners = {
+        "lgvit": ProcessRunner("harness:build_lgvit", threads=args.threads, device=args.device)
+    }
     models = ("lit_ti", "lit_ti_uniform", "pvt_small")
     keys = []
     for model in models:
@@ -225,14 +243,19 @@ def main() -> None:
             f"  {prec}: lit_ti / lit_ti_uniform {uniform:.2f}x (target >= 0.85x);  "
             f"lit_ti / pvt_small {pvt:.2f}x (target >= 1.2x)"
         )
-    mem = {m: train_peak_memory(m, args.batch, args.threads) for m in ("lit_ti", "pvt_small")}
+    mem = {
+        m: train_peak_memory(m, args.batch, args.threads, args.device)
+        for m in ("lit_ti", "pvt_small")
+    }
+    what = "peak RSS" if device.type == "cpu" else "most CUDA memory allocated"
     print(
-        f"\npeak RSS of a training step (fp32, batch {args.batch}, fresh process each): "
+        f"\n{what} of a training step (fp32, batch {args.batch}, fresh process each): "
         + ", ".join(f"{m} {v:.2f} GB" for m, v in mem.items())
         + f"; lit_ti / pvt_small {mem['lit_ti'] / mem['pvt_small']:.2f}"
     )
     merge = {
-        p: merging_modules(args.batch, p == "bf16", max(args.rounds, 3)) for p in ("fp32", "bf16")
+        p: merging_modules(args.batch, p == "bf16", max(args.rounds, 3), device)
+        for p in ("fp32", "bf16")
     }
     print(f"\nmerging 56x56x64 -> 28x28x128, batch {args.batch} (ms, median):")
     for p, m in merge.items():
@@ -245,7 +268,9 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                dict(machine=describe_machine(), rows=rows, train_rss_gb=mem, merge_ms=merge),
+                dict(
+                    machine=describe_machine(device), rows=rows, train_rss_gb=mem, merge_ms=merge
+                ),  # fmt: skip
                 f,
                 indent=2,
             )

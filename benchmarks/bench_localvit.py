@@ -8,7 +8,8 @@ holding the ``timm`` package of timm 0.3.2 (their dependency; from the history o
 pytorch-image-models, with ``torch._six`` imports replaced by ``collections.abc``). Their
 ``localvit_tiny_mlp4_act3_r192`` and ``deit_tiny_patch16_224`` are built in a spawned process
 (torchvision is stubbed there: the models never call it); ours in another spawned process. Nothing
-of theirs is part of lgvit. Without ``--authors-repo`` only lgvit is timed.
+of theirs is part of lgvit. Without ``--authors-repo`` only lgvit is timed. ``--device cuda``
+runs both on the GPU.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
     ProcessRunner,
     add_authors_malloc_flag,
+    add_device_flag,
     alternate,
     describe_machine,
+    parse_device,
     results_table,
     stub_torchvision,
 )
@@ -55,13 +58,17 @@ def main() -> None:
     ap.add_argument("--timm-src", help="folder with timm 0.3.2's `timm` package")
     add_authors_malloc_flag(ap)
     ap.add_argument("--quick", action="store_true", help="batch 2, one round, inference only")
+    add_device_flag(ap)
     ap.add_argument("--json")
     args = ap.parse_args()
+    device = parse_device(args.device)
     if args.quick:
         args.batch_sizes, args.rounds, args.modes = [2], 1, ["infer"]
-    print(describe_machine(), f"(children: {args.threads} threads)", flush=True)
+    print(describe_machine(device), f"(children: {args.threads} threads)", flush=True)
 
-    runners = {"lgvit": ProcessRunner("harness:build_lgvit", threads=args.threads)}
+    runners = {
+        "lgvit": ProcessRunner("harness:build_lgvit", threads=args.threads, device=args.device)
+    }
     if args.authors_repo:
         paths = [args.authors_repo] + ([args.timm_src] if args.timm_src else [])
         runners["authors"] = ProcessRunner(
@@ -69,6 +76,8 @@ def main() -> None:
             threads=args.threads,
             paths=paths,
             tuned_malloc=args.authors_tuned_malloc,
+            device=args.device,
+            fused=False,  # their scripts' plain AdamW; ours: the one lgvit train builds
         )
     keys = []
     for batch in args.batch_sizes:
@@ -99,11 +108,12 @@ def main() -> None:
                     )
     rss = {impl: r.close() for impl, r in runners.items()}
     print(
-        "peak RSS (GB, all configurations of a process):", {k: round(v, 2) for k, v in rss.items()}
+        "peak memory (GB, all configurations of a process):",
+        {k: round(v, 2) for k, v in rss.items()},
     )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(machine=describe_machine(), rows=rows, rss_gb=rss), f, indent=2)
+            json.dump(dict(machine=describe_machine(device), rows=rows, rss_gb=rss), f, indent=2)
 
 
 if __name__ == "__main__":

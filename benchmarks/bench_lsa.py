@@ -1,4 +1,4 @@
-"""CPU speed of lsa_tiny_cifar: inference and training step, fp32 and bf16, ours vs the authors'.
+"""Speed of lsa_tiny_cifar: inference and training step, fp32 and bf16, ours vs the authors'.
 
 Prints a table of img/s, MFU (the architecture's FLOPs/s over a bf16 or fp32 matmul peak measured
 in the same run: the fastest 2048^3 matmul of every round) and GEMM utilisation (the FLOPs each
@@ -23,6 +23,7 @@ allocator, as their scripts run.
 ``--baseline-src`` points to the ``src`` folder of another lgvit checkout (``git worktree add
 /tmp/lgvit_old <commit>``): the same model from that code runs in the second process, so a
 change is measured against what came before it, alternating in one run.
+``--device cuda`` runs every configuration on the GPU (default: the CPU).
 """
 
 from __future__ import annotations
@@ -35,16 +36,15 @@ import resource
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from harness import ProcessRunner, make_step
+from harness import ProcessRunner, add_device_flag, make_step, parse_device
 
 import lgvit
 from lgvit.core.runtime import tune_cpu_allocator
-from lgvit.tools.measure import count_macs, count_params, matmul_peak_flops
+from lgvit.tools.measure import count_macs, count_params, matmul_peak_flops, timed, warm_up
 
 
 def build_authors_model(repo: str) -> nn.Module:  # runs in the authors' worker process
@@ -75,34 +75,35 @@ def build_authors_model(repo: str) -> nn.Module:  # runs in the authors' worker 
 
 
 class LocalRunner:
-    """Times step functions in this process."""
+    """Times step functions in this process, on ``device`` (``measure.warm_up`` / ``timed``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.steps: dict[tuple, Callable[[], None]] = {}
+        self.calls: dict[tuple, int] = {}
 
     def prepare(
         self, key: tuple, model: nn.Module, batch: int, train: bool, bf16: bool, fused: bool = True
     ) -> None:
         amp = torch.bfloat16 if bf16 else None  # fused: lgvit's AdamW (their scripts: plain)
-        self.steps[key] = make_step(model, (3, 32, 32), batch, train, amp, fused=fused)
-        self.steps[key]()  # warm-up (allocations, oneDNN kernel selection)
+        self.steps[key] = make_step(model, (3, 32, 32), batch, train, amp, fused, self.device)
+        # warm-up (allocations, oneDNN kernel selection; on CUDA until stable)
+        self.calls[key] = warm_up(self.steps[key], self.device)[1]
 
     def time(self, key: tuple) -> float:
-        t0 = time.perf_counter()
-        self.steps[key]()
-        return time.perf_counter() - t0
+        return timed(self.steps[key], self.device, self.calls[key])
 
 
 def build_authors(name: str, repo: str) -> nn.Module:  # runs in the authors' process
     return build_authors_model(repo)
 
 
-def executed_macs(model: nn.Module, batch: int, train: bool) -> float:
+def executed_macs(model: nn.Module, batch: int, train: bool, device: torch.device) -> float:
     """Multiply-accumulates per image that ``model``'s matmuls and convolutions execute in one
     forward (``train``: forward and backward) at ``batch``: what a matmul roofline counts."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    x = torch.randn(batch, 3, 32, 32)
+    x = torch.randn(batch, 3, 32, 32, device=device)
     model.train(train)
     with FlopCounterMode(display=False) as counter:
         if train:
@@ -128,6 +129,7 @@ def main() -> None:
     )
     ap.add_argument("--baseline-src", default=None, help="another lgvit checkout's src/ folder")
     ap.add_argument("--modes", nargs="+", default=["infer", "train"])
+    add_device_flag(ap)
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument(
         "--default-malloc",
@@ -140,6 +142,7 @@ def main() -> None:
         help="apply the same allocator tuning to the authors' process",
     )
     args = ap.parse_args()
+    device = parse_device(args.device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
@@ -147,7 +150,7 @@ def main() -> None:
         tune_cpu_allocator()  # lgvit's default runtime (lgvit.core.runtime), as `lgvit train` does
     else:  # create_model would tune it otherwise
         os.environ["LGVIT_DEFAULT_MALLOC"] = "1"
-    ours = lgvit.create_model(args.model)
+    ours = lgvit.create_model(args.model).to(device)
     macs = count_macs(ours, (3, 32, 32))
     authors = None
     if args.authors_repo and args.baseline_src:
@@ -155,16 +158,17 @@ def main() -> None:
     other = "authors" if args.authors_repo else "baseline"
     theirs = build_authors_model(args.authors_repo) if args.one_process else None
     if theirs is not None:
-        authors = LocalRunner()
+        theirs = theirs.to(device)
+        authors = LocalRunner(device)
     elif args.authors_repo:
         authors = ProcessRunner(
             "bench_lsa:build_authors", (args.authors_repo,), args.threads,
-            tuned_malloc=args.authors_tuned_malloc,
+            tuned_malloc=args.authors_tuned_malloc, device=args.device, fused=False,
         )  # fmt: skip
     elif args.baseline_src:
         authors = ProcessRunner(
             "harness:build_lgvit", (), args.threads, pythonpath=args.baseline_src,
-            tuned_malloc=not args.default_malloc,
+            tuned_malloc=not args.default_malloc, device=args.device,
         )  # fmt: skip
     other_tuned = (args.authors_tuned_malloc or (args.baseline_src and not args.default_malloc)
                    or (theirs is not None and not args.default_malloc))  # fmt: skip
@@ -183,16 +187,16 @@ def main() -> None:
     )
 
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    peaks = {p: matmul_peak_flops(d) for p, d in dtypes.items()}
+    peaks = {p: matmul_peak_flops(d, device=device) for p, d in dtypes.items()}
     # What each implementation's matmuls and convolutions execute per image (theirs is built here
     # for the count when it runs in a process of its own).
     counted = {"lgvit": ours}
     if args.authors_repo:
         counted["authors"] = (
-            theirs if theirs is not None else build_authors_model(args.authors_repo)
+            theirs if theirs is not None else build_authors_model(args.authors_repo).to(device)
         )
     executed = {
-        (impl, mode, bs): executed_macs(model, bs, mode == "train")
+        (impl, mode, bs): executed_macs(model, bs, mode == "train", device)
         for impl, model in counted.items()
         for mode in args.modes
         for bs in args.batch_sizes
@@ -206,7 +210,7 @@ def main() -> None:
             for impl in impls:
                 for prec in ("fp32", "bf16"):
                     configs.append((impl, mode, prec, bs))
-    local = LocalRunner()
+    local = LocalRunner(device)
     for c in configs:
         impl, mode, prec, bs = c
         if impl == "lgvit":
@@ -220,7 +224,7 @@ def main() -> None:
         for c in configs:  # alternate: one timed run of every configuration per round
             times[c].append((local if c[0] == "lgvit" else authors).time(c))
         for p, d in dtypes.items():  # a peak: the best of every round's measurement
-            peaks[p] = max(peaks[p], matmul_peak_flops(d))
+            peaks[p] = max(peaks[p], matmul_peak_flops(d, device=device))
         print(f"round {r + 1}/{args.rounds} done", flush=True)
 
     print(

@@ -6,7 +6,8 @@ cross-entropy, backward, AdamW), alternating in one process, as a library user r
 
 Every configuration is timed once per round, round after round (medians), so machine noise
 hits lgvit and timm alike; the ratio column is lgvit's img/s over timm's. bf16 (autocast) rows
-are added where the CPU has native bf16 (AVX-512 bf16 or AMX), or with ``--bf16``.
+are added where the CPU has native bf16 (AVX-512 bf16 or AMX), on CUDA, or with ``--bf16``.
+``--device cuda`` runs both on the GPU (timed as ``lgvit.tools.measure`` times a GPU step).
 ``--no-tune`` leaves glibc's allocator as a user's script would find it (lgvit's CLI tunes it:
 ``lgvit.core.runtime.tune_cpu_allocator``).
 
@@ -30,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import alternate_fns, describe_machine  # noqa: E402
+from harness import add_device_flag, alternate_fns, describe_machine, parse_device  # noqa: E402
 
 PEERS = {
     "deit_tiny": "deit_tiny_patch16_224",
@@ -66,8 +67,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bf16", action="store_true", help="bf16 rows even where it is emulated")
     ap.add_argument("--no-tune", action="store_true", help="leave glibc's allocator untuned")
+    add_device_flag(ap)
     ap.add_argument("--json")
     args = ap.parse_args()
+    device = parse_device(args.device)
 
     from lgvit.core.runtime import cpu_bf16_support, tune_cpu_allocator
     from lgvit.tools.measure import make_step
@@ -77,11 +80,14 @@ def main() -> None:
         tune_cpu_allocator()
     else:  # create_model would tune it otherwise
         os.environ["LGVIT_DEFAULT_MALLOC"] = "1"
-    precs = ["fp32"] + (["bf16"] if args.bf16 or cpu_bf16_support() else [])
-    machine = describe_machine()
+    native = cpu_bf16_support() if device.type == "cpu" else torch.cuda.is_bf16_supported()
+    precs = ["fp32"] + (["bf16"] if args.bf16 or native else [])
+    machine = describe_machine(device)
     print(machine, "| allocator", "untuned" if args.no_tune else "tuned", flush=True)
     impls = ("lgvit", "timm")
-    models = {(impl, m): model for m in args.models for impl, model in build_pair(m).items()}
+    models = {
+        (impl, m): model.to(device) for m in args.models for impl, model in build_pair(m).items()
+    }
     for m in args.models:  # same architecture: same parameter count
         n = {impl: sum(p.numel() for p in models[impl, m].parameters()) for impl in impls}
         assert n["lgvit"] == n["timm"], (m, n)
@@ -94,10 +100,11 @@ def main() -> None:
                 for m in args.models:
                     amp = torch.bfloat16 if prec == "bf16" else None
                     fns = {
-                        impl: make_step(models[impl, m], (3, 224, 224), batch, mode == "train", amp)
+                        impl: make_step(models[impl, m], (3, 224, 224), batch, mode == "train",
+                                        amp, device=device)
                         for impl in impls
-                    }
-                    ms = alternate_fns(fns, args.rounds)  # warm-up, then alternating rounds
+                    }  # fmt: skip
+                    ms = alternate_fns(fns, args.rounds, device)  # warm-up, alternating rounds
                     ips = {k: 1000 * batch / v for k, v in ms.items()}
                     row = dict(model=m, mode=mode, prec=prec, batch=batch,
                                lgvit=ips["lgvit"], timm=ips["timm"],
@@ -113,7 +120,8 @@ def main() -> None:
               f"{r['timm']:.1f} | {r['ratio']:.2f}x |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(machine=machine, tuned=not args.no_tune, rows=rows), f, indent=2)
+            json.dump(dict(machine=machine, device=str(device), tuned=not args.no_tune, rows=rows),
+                      f, indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -36,33 +36,57 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'harness' has no attribute {name!r}")
 
 
+def add_device_flag(ap: Any) -> None:
+    """``--device`` on an argparse parser: where the benchmark's models run (default cpu)."""
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+
+
+def parse_device(name: str) -> torch.device:
+    """``--device``'s value as a device; CUDA where there is none exits with one line."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        sys.exit(f"--device {name!r}: not a device (cpu, cuda or cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
 def time_infer_train(
     model: nn.Module, infer: Callable[[], Any], loss: Callable[[], torch.Tensor], steps: int,
-    bf16: bool,
+    bf16: bool, device: torch.device | str = "cpu",
 ) -> tuple[float, float, float]:  # fmt: skip
     """Median seconds of ``infer()`` (eval mode, no grad) and of a training step (``loss()``,
-    backward, AdamW lr 1e-4 / weight decay 1e-4), each after one warm-up, under bf16 autocast
-    when asked; and the peak RSS (GB) counted from just before the first training step."""
-    from lgvit.tools.measure import peak_rss_mb, reset_peak_rss, time_fn
+    backward, the optimizer ``lgvit train`` builds), timed as ``measure.time_fn`` does on
+    ``device`` (``steps`` rounds), under bf16 autocast when asked; and the peak memory (GB)
+    counted from just before the first training step: RSS on the CPU, allocated on CUDA."""
+    from lgvit.tools.measure import peak_rss_mb, reset_peak_rss, time_fn, train_optimizer
+
+    device = torch.device(device)
 
     def run_infer() -> None:
         model.eval()
-        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=bf16):
             infer()
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4)
+    opt = train_optimizer(model, device)
 
     def train() -> None:
         model.train()
-        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
             value = loss()
         value.float().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    t_inf = time_fn(run_infer, warmup=1, repeats=steps)
-    reset_peak_rss()
-    t_train = time_fn(train, warmup=1, repeats=steps)
+    t_inf = time_fn(run_infer, warmup=1, repeats=steps, device=device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak_rss()
+    t_train = time_fn(train, warmup=1, repeats=steps, device=device)
+    if device.type == "cuda":
+        return t_inf, t_train, torch.cuda.max_memory_allocated(device) / 2**30
     return t_inf, t_train, peak_rss_mb() / 1024
 
 
@@ -101,8 +125,9 @@ def stub_torchvision() -> None:
 
 
 def _worker(
-    conn, builder: str, args: tuple, threads: int, paths: Sequence[str], tuned_malloc: bool
-) -> None:
+    conn, builder: str, args: tuple, threads: int, paths: Sequence[str], tuned_malloc: bool,
+    device: str = "cpu", fused: bool = True,
+) -> None:  # fmt: skip
     # First, before anything imports lgvit: multiprocessing's spawn gives the child the
     # parent's sys.path (PYTHONPATH alone lost to it: a "baseline" ran the current code).
     sys.path[:0] = list(paths)
@@ -111,7 +136,7 @@ def _worker(
         # this runs: drop that lgvit so the next import finds the other checkout's.
         for mod in [m for m in sys.modules if m == "lgvit" or m.startswith("lgvit.")]:
             del sys.modules[mod]
-    from lgvit.tools.measure import make_step
+    from lgvit.tools import measure
 
     torch.set_num_threads(threads)
     # The same allocator settings in every process (lgvit's CLI default): without them, a
@@ -128,6 +153,10 @@ def _worker(
     build = getattr(importlib.import_module(module), fn)
     models: dict[str, nn.Module] = {}
     steps: dict[Key, Callable[[], None]] = {}
+    calls: dict[Key, int] = {}
+    # On the CPU: one call a round, timed here, so another checkout's measure (--baseline-src)
+    # from before the device-aware timing still serves.
+    on_cpu = torch.device(device).type == "cpu"
     conn.send(None)
     while True:
         msg = conn.recv()
@@ -135,21 +164,33 @@ def _worker(
             _, key, name, input_size, train, bf16 = msg
             torch.manual_seed(0)
             if name not in models:
-                models[name] = build(name, *args)
+                models[name] = build(name, *args).to(device)
             amp = torch.bfloat16 if bf16 else None
-            steps[key] = make_step(models[name], input_size, key[-1], train, amp)
-            steps[key]()
+            # Only what differs from make_step's defaults: a --baseline-src checkout's may not
+            # take these arguments.
+            kw = {} if on_cpu else {"device": device}
+            kw.update({} if fused else {"fused": False})
+            steps[key] = measure.make_step(models[name], input_size, key[-1], train, amp, **kw)
+            if on_cpu:
+                steps[key]()
+                calls[key] = 1
+            else:
+                _, calls[key] = measure.warm_up(steps[key], device)
             conn.send(None)
         elif msg[0] == "time":
-            t0 = time.perf_counter()
-            steps[msg[1]]()
-            conn.send(time.perf_counter() - t0)
+            if on_cpu:
+                t0 = time.perf_counter()
+                steps[msg[1]]()
+                conn.send(time.perf_counter() - t0)
+            else:
+                conn.send(measure.timed(steps[msg[1]], device, calls[msg[1]]))
         elif msg[0] == "params":
             if msg[1] not in models:
                 models[msg[1]] = build(msg[1], *args)
             conn.send(sum(p.numel() for p in models[msg[1]].parameters()))
         else:
-            conn.send(peak_rss_gb())
+            on_gpu = not on_cpu and torch.cuda.is_available()
+            conn.send(torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else peak_rss_gb())
             return
 
 
@@ -158,7 +199,9 @@ class ProcessRunner:
     spawned process with ``paths`` on its ``sys.path``, and times steps there.
 
     ``pythonpath``: the child's PYTHONPATH, ahead of everything (another lgvit checkout's
-    ``src``, so the child imports that lgvit); ``tuned_malloc``: lgvit's allocator settings.
+    ``src``, so the child imports that lgvit); ``tuned_malloc``: lgvit's allocator settings;
+    ``device``: where the models run (on CUDA timed as ``measure.timed``, several calls a round);
+    ``fused``: ``measure.make_step``'s (False: a plain script's AdamW, as the authors' run).
     """
 
     def __init__(
@@ -169,6 +212,8 @@ class ProcessRunner:
         paths: Sequence[str] = (),
         pythonpath: str | None = None,
         tuned_malloc: bool = True,
+        device: str = "cpu",
+        fused: bool = True,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -182,6 +227,8 @@ class ProcessRunner:
                 threads,
                 [*([pythonpath] if pythonpath else []), here, *paths],
                 tuned_malloc,
+                str(device),
+                fused,
             ),
             daemon=True,
         )
@@ -211,6 +258,7 @@ class ProcessRunner:
         return self.conn.recv()
 
     def close(self) -> float:
+        """Stops the process; its peak memory (GB): RSS, or on CUDA the most allocated."""
         self.conn.send(("stop",))
         rss = self.conn.recv()
         self.proc.join()
@@ -246,17 +294,19 @@ def alternate(
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def alternate_fns(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    """In-process: median milliseconds of each function, timed once a round, round after round
-    (each is run once first, untimed, as warm-up)."""
-    for f in fns.values():
-        f()
+def alternate_fns(
+    fns: dict[str, Callable[[], Any]], rounds: int, device: torch.device | str = "cpu"
+) -> dict[str, float]:
+    """In-process: median milliseconds per call of each function, timed once a round, round
+    after round, after its warm-up (``measure.warm_up``: on the CPU one call and one call a
+    round; on CUDA synchronised, until stable, several calls a round)."""
+    from lgvit.tools.measure import timed, warm_up
+
+    calls = {k: warm_up(f, device)[1] for k, f in fns.items()}
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(timed(f, device, calls[k]))
     return {k: 1000 * statistics.median(v) for k, v in times.items()}
 
 

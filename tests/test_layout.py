@@ -165,13 +165,15 @@ TRAINING = {"lgvit.run.engine", "lgvit.run.optim", "lgvit.tasks.run"} | {
 def test_eval_bench_predict_never_import_training():
     """``lgvit eval``, ``predict`` and ``bench`` and every task's evaluation and command code
     never reach the engine or any task's training module (the registry imports a task's
-    modules by name, on first use: ``cmd_eval`` reaches only the one it runs)."""
+    modules by name, on first use: ``cmd_eval`` reaches only the one it runs). ``bench`` may
+    reach ``run.optim`` alone: its training step is timed with the optimizer training builds."""
     graph = _graph()
     cli = ast.parse(MODULES["lgvit.cli"].read_text())
     for fn in ("cmd_eval", "cmd_bench", "cmd_predict", "_run_task_command"):
         node = next(n for n in cli.body if isinstance(n, ast.FunctionDef) and n.name == fn)
         reach = _reachable(graph, _imports(node, "lgvit.cli", False))
-        assert not reach & TRAINING, (fn, sorted(reach & TRAINING))
+        allowed = {"lgvit.run.optim"} if fn == "cmd_bench" else set()
+        assert not reach & TRAINING - allowed, (fn, sorted(reach & TRAINING - allowed))
     tasks = {m.rpartition(".")[0] for m in TRAINING if m.endswith(".train")}
     assert len(tasks) == 3, tasks
     for task in sorted(tasks):

@@ -7,11 +7,14 @@ paper gives one (the paper's hardware in a footnote).
 Method:
 - Every model is built and warmed up, then timed in rounds that alternate between the models of
   the run, so machine noise hits all of them alike; a model's figure is its median over rounds.
-- CPU: wall clock. Peak memory is measured in a fresh child process per model and step kind:
-  peak RSS while running two steps, minus the RSS of the idle process with the model and its
-  input built (so one model's memory cannot hide in another's, and weights are not counted).
-- CUDA: CUDA events, synchronised; peak memory is ``torch.cuda.max_memory_allocated`` over the
-  same idle baseline.
+- Timing (``lgvit.tools.measure``): wall clock between two synchronisations of the device.
+  CPU: one warm-up call, one call a round. CUDA: warm-up until two calls agree, then each
+  round times enough back-to-back calls to last a set time (``measure.CUDA_TIMING``).
+- The training step uses the optimizer ``lgvit train`` builds (fused AdamW on CPU and CUDA).
+- CPU: peak memory is measured in a fresh child process per model and step kind: peak RSS
+  while running two steps, minus the RSS of the idle process with the model and its input
+  built (so one model's memory cannot hide in another's, and weights are not counted).
+- CUDA: peak memory is ``torch.cuda.max_memory_allocated`` over the same idle baseline.
 - MFU: model FLOPs per second (2 x MACs per image, x3 for a training step) over a matmul peak
   measured in the same run at the run's precision.
 - A model that cannot be built or run at the chosen size is a row with the reason.
@@ -24,7 +27,6 @@ import io
 import json
 import statistics
 import textwrap
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -45,7 +47,9 @@ from lgvit.tools.measure import (
     reset_peak_rss,
     rss_mb,
     run_in_fresh_process,
+    step_timing,
     timed,
+    warm_up,
 )
 
 DEFAULT_BATCH = 64  # the LIT paper's throughput batch; the LSA and LocalViT papers name none
@@ -186,6 +190,7 @@ class _Live:
     model: nn.Module
     steps: dict[str, Callable[[], None]]  # "infer" / "train"
     times: dict[str, list[float]]
+    calls: dict[str, int]  # calls per timed round, per kind
 
 
 def run_bench(
@@ -268,7 +273,8 @@ def _build_and_warm_up(
     amp: torch.dtype | None, device: torch.device,
 ) -> _Live:  # fmt: skip
     """Params and MACs (on the meta device) into ``row``; the model on ``device`` with one
-    step per kind, each run ``opts.warmup`` times (with --compile the first compiles, timed)."""
+    step per kind, each warmed up (``measure.warm_up``: ``opts.warmup`` calls, on CUDA until
+    stable; with --compile the first call compiles, timed), and its calls per timed round."""
     input_size = _input_size(name, opts.img_size)
     with torch.device("meta"):
         meta = build_model(name, opts.img_size, "meta")
@@ -282,14 +288,14 @@ def _build_and_warm_up(
         k: make_step(run, input_size, opts.batch_size, k == "train", amp, device=device)
         for k in kinds
     }
+    calls = {}
     for kind, step in steps.items():
-        start = time.perf_counter()
-        step()  # with --compile, the first call compiles (and its backward, training)
+        # With --compile the first call compiles (and its backward, training).
+        first, calls[kind] = warm_up(step, device, step_timing(device, opts.warmup))
+        row[f"{kind}_calls_per_round"] = calls[kind]
         if opts.compile:
-            row[f"{kind}_compile_s"] = time.perf_counter() - start
-        for _ in range(opts.warmup - 1):
-            step()
-    return _Live(name, model, steps, {k: [] for k in kinds})
+            row[f"{kind}_compile_s"] = first
+    return _Live(name, model, steps, {k: [] for k in kinds}, calls)
 
 
 def _time_rounds(
@@ -302,7 +308,7 @@ def _time_rounds(
         for m in list(live):
             for kind, step in m.steps.items():
                 try:
-                    m.times[kind].append(timed(step, device))
+                    m.times[kind].append(timed(step, device, m.calls[kind]))
                 except Exception as e:  # noqa: BLE001
                     rows[m.name]["error"] = _one_line(e)
                     live.remove(m)
@@ -314,7 +320,7 @@ def _throughput(m: _Live, row: dict[str, Any], batch: int, peak: float) -> None:
     """Phase 3: images/s from the median round, and MFU against the matmul peak, per kind."""
     flops = 2 * row["macs_g"] * 1e9  # per image, forward
     for kind, times in m.times.items():
-        img_s = batch / statistics.median(times)
+        img_s = batch / statistics.median(times)  # seconds per call
         mult = 3 if kind == "train" else 1  # backward ~ 2x forward
         row[f"{kind}_img_s"] = img_s
         row[f"{kind}_mfu"] = mult * flops * img_s / peak

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing as mp
 import re
 import resource
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -72,28 +74,80 @@ def model_info(name: str) -> dict[str, Any]:
     }
 
 
-def timed(fn: Callable[[], Any], device: torch.device | str = "cpu") -> float:
-    """Seconds of one ``fn()``: wall clock on the CPU, CUDA events (synchronised) on a GPU."""
-    if torch.device(device).type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 1000.0
+def device_sync(device: torch.device | str = "cpu") -> Callable[[], None]:
+    """What waits for the work queued on ``device``: ``torch.cuda.synchronize`` on CUDA (its
+    kernels run asynchronously, so a clock read without it times their launches), nothing on
+    the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def timed(fn: Callable[[], Any], device: torch.device | str = "cpu", steps: int = 1) -> float:
+    """Seconds per call of ``steps`` calls of ``fn`` back to back: wall clock between two
+    synchronisations of the device (so work queued before is not counted, and all of the
+    calls' work is, with no sync between the calls)."""
+    sync = device_sync(device)
+    sync()
     t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    for _ in range(steps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / steps
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """How a step is warmed up and how many calls one timed round makes."""
+
+    warmup: int = 1  # warm-up calls at least (under torch.compile the first one compiles)
+    max_warmup: int = 1  # at most: more until two calls in a row agree within ``stable``
+    stable: float = 0.05
+    min_steps: int = 1  # calls per timed round at least,
+    round_s: float = 0.0  # and enough to last about this long at the warmed-up speed,
+    max_steps: int = 1  # but no more than this
+
+
+# A GPU step can take a millisecond: one per round would time the launch and the sync, and its
+# clocks and caches settle over several calls. The CPU rounds stay one call each, as measured.
+CUDA_TIMING = StepTiming(warmup=3, max_warmup=30, min_steps=10, round_s=0.5, max_steps=1000)
+
+
+def step_timing(device: torch.device | str = "cpu", warmup: int = 1) -> StepTiming:
+    """The timing of a step on ``device`` with at least ``warmup`` warm-up calls."""
+    if torch.device(device).type == "cuda":
+        c = CUDA_TIMING
+        return replace(c, warmup=max(warmup, c.warmup), max_warmup=max(warmup, c.max_warmup))
+    return StepTiming(warmup=warmup, max_warmup=warmup)
+
+
+def warm_up(
+    fn: Callable[[], Any], device: torch.device | str = "cpu", timing: StepTiming | None = None
+) -> tuple[float, int]:
+    """Calls ``fn`` until warm: ``timing.warmup`` calls, then more (up to ``max_warmup``) until
+    two in a row agree within ``stable``. Returns the seconds of the first call (under
+    torch.compile: the compile) and the calls a timed round makes: enough for ``round_s`` at
+    the last call's speed, within ``min_steps`` and ``max_steps``."""
+    t = timing or step_timing(device)
+    first = last = timed(fn, device)
+    prev, calls = None, 1
+    while calls < t.warmup or (
+        calls < t.max_warmup and (prev is None or abs(last - prev) > t.stable * prev)
+    ):
+        prev, last = last, timed(fn, device)
+        calls += 1
+    steps = math.ceil(t.round_s / max(last, 1e-9))
+    return first, min(max(steps, t.min_steps), t.max_steps)
 
 
 def time_fn(
     fn: Callable[[], Any], warmup: int = 2, repeats: int = 5, device: torch.device | str = "cpu"
 ) -> float:
-    """Median seconds of ``fn()`` after warm-up."""
-    for _ in range(warmup):
-        fn()
-    return statistics.median(timed(fn, device) for _ in range(repeats))
+    """Median seconds per call of ``fn()`` over ``repeats`` rounds, after warm-up (see
+    :func:`step_timing`: on the CPU ``warmup`` calls and one call a round)."""
+    _, steps = warm_up(fn, device, step_timing(device, warmup))
+    return statistics.median(timed(fn, device, steps) for _ in range(repeats))
 
 
 def matmul_peak_flops(
@@ -108,8 +162,21 @@ def matmul_peak_flops(
     b = torch.randn(n, n, device=device).to(dtype)
     for _ in range(2):
         torch.mm(a, b)
-    sec = min(timed(lambda: torch.mm(a, b), device) for _ in range(repeats))
+    steps = step_timing(device).min_steps  # on CUDA several, so no sync sits inside one mm
+    sec = min(timed(lambda: torch.mm(a, b), device, steps) for _ in range(repeats))
     return 2 * n**3 / sec
+
+
+def train_optimizer(model: nn.Module, device: torch.device | str) -> torch.optim.Optimizer:
+    """The optimizer ``lgvit train`` builds for ``model`` on ``device`` with the run config's
+    defaults: the run's own factory and parameter groups (fused AdamW on the CPU and CUDA)."""
+    from lgvit.run.config import TrainConfig
+    from lgvit.run.optim import build_optimizer, param_groups
+
+    cfg = TrainConfig()
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: the names groups match
+    groups = param_groups(model, cfg.weight_decay, cfg.offset_lr_factor)
+    return build_optimizer(cfg, groups, cfg.lr, torch.device(device))
 
 
 def make_step(
@@ -118,12 +185,13 @@ def make_step(
     batch: int,
     train: bool,
     amp_dtype: torch.dtype | None = None,
-    fused: bool = False,
+    fused: bool = True,
     device: torch.device | str = "cpu",
 ) -> Callable[[], None]:
     """One inference batch (``inference_mode``) or one training step (forward, cross-entropy,
-    backward, AdamW; ``fused``: the fused AdamW kernel, else the multi-tensor one), on random
-    data of the model's input size, under autocast to ``amp_dtype`` when given.
+    backward, optimizer step), on random data of the model's input size, under autocast to
+    ``amp_dtype`` on ``device`` when given. ``fused``: the optimizer training builds
+    (:func:`train_optimizer`: fused AdamW); False: the multi-tensor AdamW of a plain script.
 
     The model's mode is set on every call, so one model can serve both kinds of step.
     """
@@ -140,8 +208,11 @@ def make_step(
         return infer
     classes = getattr(model, "num_classes", 10) or 10
     y = torch.randint(0, classes, (batch,), device=device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
+    if fused:
+        opt = train_optimizer(model, device)
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
     scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
 
     def step() -> None:
