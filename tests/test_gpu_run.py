@@ -219,6 +219,30 @@ def test_a_run_skipping_on_the_device_matches_the_host_check(one_epoch, monkeypa
     assert loss_dev == pytest.approx(loss_host)
 
 
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "lamb"])
+def test_under_a_grad_scaler_a_nan_loss_is_its_skip_too(as_on_a_gpu, host_syncs, kind):
+    """fp16 (a GradScaler; the CPU's stands in for CUDA's): a NaN loss makes every gradient NaN,
+    so the scaler's own check skips the step, with no host read; it lowers its scale."""
+    model = _model()
+    opt = _optimizer(kind, model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    o = engine.Optimisation(opt, scaler, None, {})
+    guard = nonfinite.NonFiniteGuard(opt, scaler, _cfg(), torch.device("cpu"))
+    x, y = next(iter(_Batches(1, set())))
+    for i, xb in enumerate([x, x.clone().fill_(float("nan"))]):
+        if i == 1:
+            weights, state = copy.deepcopy(model.state_dict()), _state(opt)
+            host_syncs[0] = 0
+        loss = torch.nn.functional.cross_entropy(model(xb), y)
+        assert guard.before_step(loss, 0, i) is False
+        o.step(model, guard.backward_loss(loss), 1.0, guard.bad)
+        guard.finite_part(loss)
+    assert host_syncs[0] == 0
+    _same(model.state_dict(), weights)
+    _same(_state(opt), state)
+    assert scaler.get_scale() == 512.0
+
+
 def test_every_rank_skips_when_one_rank_has_a_nonfinite_loss(as_on_a_gpu, monkeypatch):
     """DDP averages a NaN into every rank's gradients: the flag is agreed on (a max over the
     ranks, on the device) so every rank skips the step and counts it."""
