@@ -275,16 +275,23 @@ def resolve_preprocessing(
     return pre
 
 
-def preprocess_images(model: nn.Module, paths: Sequence[str]) -> torch.Tensor:
+def preprocess_images(
+    model: nn.Module, paths: Sequence[str], device: torch.device | str | None = None
+) -> torch.Tensor:
     """Image files -> the normalised ``(N, C, H, W)`` batch ``model`` expects: its
     :func:`resolve_preprocessing` (what it was trained with, for a model from a checkpoint).
-    An unreadable file is an :class:`LgvitError` naming it."""
+    With ``device`` (a GPU), each decoded uint8 image goes there and is resized and normalised
+    there, by the same functions; without it, on the CPU. An unreadable file is an
+    :class:`LgvitError` naming it."""
     from lgvit.data.decode import read_image_rgb
     from lgvit.data.transforms import normalize, resize_center_crop
 
     pre = resolve_preprocessing(model)
+    dev = torch.device("cpu" if device is None else device)
     crops = [
-        resize_center_crop(read_image_rgb(p)[None], pre.size, pre.crop_pct, pre.interpolation)
+        resize_center_crop(
+            read_image_rgb(p)[None].to(dev), pre.size, pre.crop_pct, pre.interpolation
+        )
         for p in paths
     ]
     return normalize(torch.cat(crops), pre.mean, pre.std)

@@ -43,7 +43,14 @@ import torch
 
 from lgvit.core.errors import LgvitError, refuse_deep_nesting
 from lgvit.data.decode import read_image_rgb
-from lgvit.data.segmentation import EpochLoader, _Items, _keep, own_generator, sample_rng
+from lgvit.data.segmentation import (
+    EpochLoader,
+    _Items,
+    _keep,
+    own_generator,
+    pins,
+    sample_rng,
+)
 
 COCO_DATASETS = ("coco",)
 # The LIT authors' mmdet configs: images resized to fit (long, short) sides 1333 x 800.
@@ -684,17 +691,19 @@ class DetTrainLoader(EpochLoader):
     does not decode) left out of its batch, its message kept in ``skipped`` (this epoch's), a
     batch with none left skipped; more than ``max_bad_fraction`` of the images read so far
     (of at least 100, as classification's streaming loader) or of the whole epoch, or every
-    image of it, is one line. An epoch that skipped some warns with the count.
+    image of it, is one line. An epoch that skipped some warns with the count. Pinned for a
+    CUDA ``device``.
     """
 
     def __init__(
         self, split: CocoSplit, batch_size: int, seed: int, rank: int = 0, world: int = 1,
         workers: int = 2, with_masks: bool = False, hflip: float = 0.5,
-        max_bad_fraction: float = 0.05,
+        max_bad_fraction: float = 0.05, device: torch.device | str = "cpu",
     ) -> None:  # fmt: skip
         self.set = _TrainSet(split, seed, with_masks, hflip)
         self.batch_size, self.seed, self.rank, self.world = batch_size, seed, rank, world
         self.workers, self.max_bad_fraction = workers, max_bad_fraction
+        self.pin = pins(device)
         missing, self.notes = missing_files(split, max_bad_fraction)
         gone = set(missing)
         kept = [(i, hw) for i, hw in enumerate(split.sizes) if i not in gone]
@@ -764,13 +773,15 @@ class DetEvalLoader:
     takes every ``world``-th image. An unreadable image is ``(None, image_id)`` (its message
     kept in ``skipped``, the pass's): the caller counts it and names it. With
     ``max_bad_fraction`` (a training run's), missing files are counted first, as the training
-    loader's, and ``notes`` says so (they stay in: COCOeval scores every image)."""
+    loader's, and ``notes`` says so (they stay in: COCOeval scores every image). Pinned for
+    a CUDA ``device``."""
 
     def __init__(
         self, split: CocoSplit, rank: int = 0, world: int = 1, workers: int = 2,
-        max_bad_fraction: float | None = None,
+        max_bad_fraction: float | None = None, device: torch.device | str = "cpu",
     ) -> None:  # fmt: skip
         self.split, self.rank, self.world, self.workers = split, rank, world, workers
+        self.pin = pins(device)
         self.indices = list(range(rank, len(split), world))
         self.skipped: list[str] = []
         self.notes: list[str] = []
@@ -789,7 +800,7 @@ class DetEvalLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor | None, int]]:
         loader = torch.utils.data.DataLoader(
             _Items(self._item, self.indices), batch_size=1, num_workers=self.workers,
-            collate_fn=_keep, generator=own_generator(),
+            collate_fn=_keep, pin_memory=self.pin, generator=own_generator(),
         )  # fmt: skip
         self.skipped = []
         for items in loader:

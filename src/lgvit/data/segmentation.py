@@ -390,16 +390,31 @@ class _TrainSet(torch.utils.data.Dataset):
         return train_sample(img, mask, self.aug, sample_rng(self.seed, self.epoch, i))
 
 
+def pins(device: torch.device | str) -> bool:
+    """Whether a loader's batches for ``device`` are pinned (by its DataLoader, off the main
+    thread, once per batch): a pinned batch's copy to a GPU (``non_blocking``) overlaps the
+    work queued there. Pinned memory needs CUDA, and a CPU run gains nothing from it."""
+    return torch.device(device).type == "cuda"
+
+
 def _keep(items: list[Any]) -> list[Any]:
     return items
 
 
-def _stack(items: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch from a worker's samples; a sample that failed is its one-line error here."""
+def _stack(items: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """A batch from a worker's samples, stacked in the worker, so that the tensors pinned are
+    the ones that go to the device; a sample that failed: its one-line error (raised by
+    :func:`_checked` in the main process)."""
     for item in items:
         if isinstance(item, str):
-            raise LgvitError(item)
+            return item
     return torch.stack([i[0] for i in items]), torch.stack([i[1] for i in items])
+
+
+def _checked(batch: tuple[torch.Tensor, torch.Tensor] | str) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, str):
+        raise LgvitError(batch)
+    return batch
 
 
 class EpochLoader:
@@ -412,6 +427,8 @@ class EpochLoader:
     workers: int
     epoch: int = 0
     start: int = 0
+    pin: bool = False  # pins(device)
+    collate: Any = staticmethod(_keep)
 
     def __len__(self) -> int:  # a whole epoch's steps, also when it is resumed mid-way
         return self.steps
@@ -427,8 +444,8 @@ class EpochLoader:
         """The items of ``batches`` (index lists), read in ``workers`` processes."""
         self.start = 0  # the next epoch starts at its beginning
         return torch.utils.data.DataLoader(
-            self.set, batch_sampler=batches, num_workers=self.workers, collate_fn=_keep,
-            generator=own_generator(),
+            self.set, batch_sampler=batches, num_workers=self.workers, collate_fn=self.collate,
+            pin_memory=self.pin, generator=own_generator(),
         )  # fmt: skip
 
 
@@ -436,15 +453,17 @@ class SegTrainLoader(EpochLoader):
     """Batches ``(images uint8 (B, 3, S, S), masks int64 (B, S, S))`` of one process's share,
     in an order drawn per epoch; the engine's loader contract (``set_epoch(epoch, batch)``
     continues an epoch at a batch: every sample's augmentation depends only on (seed, epoch,
-    image), so there is no stream state to save)."""
+    image), so there is no stream state to save). Pinned for a CUDA ``device``."""
+
+    collate = staticmethod(_stack)
 
     def __init__(
         self, split: SegSplit, aug: SegAugment, batch_size: int, seed: int, rank: int = 0,
-        world: int = 1, workers: int = 2,
+        world: int = 1, workers: int = 2, device: torch.device | str = "cpu",
     ) -> None:  # fmt: skip
         self.set = _TrainSet(split, aug, seed)
         self.batch_size, self.seed, self.rank, self.world = batch_size, seed, rank, world
-        self.workers = workers
+        self.workers, self.pin = workers, pins(device)
         self.steps = len(split) // (batch_size * world)
         if self.steps == 0:
             raise LgvitError(
@@ -464,20 +483,21 @@ class SegTrainLoader(EpochLoader):
         return out
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for items in self._items(self._batches()):
-            yield _stack(items)
+        for batch in self._items(self._batches()):
+            yield _checked(batch)
 
 
 class SegEvalLoader:
     """One image at a time, whole: ``(image uint8 (1, 3, h, w) at the eval scale, mask int64
-    (1, H, W) at the original size)``; process ``rank`` takes every ``world``-th image."""
+    (1, H, W) at the original size)``; process ``rank`` takes every ``world``-th image.
+    Pinned for a CUDA ``device``."""
 
     def __init__(
         self, split: SegSplit, scale: Sequence[int], rank: int = 0, world: int = 1,
-        workers: int = 2,
+        workers: int = 2, device: torch.device | str = "cpu",
     ) -> None:  # fmt: skip
         self.split, self.scale, self.rank, self.world = split, tuple(scale), rank, world
-        self.workers = workers
+        self.workers, self.pin = workers, pins(device)
         self.indices = list(range(rank, len(split), world))
 
     def __len__(self) -> int:
@@ -493,10 +513,10 @@ class SegEvalLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         loader = torch.utils.data.DataLoader(
             _Items(self._item, self.indices), batch_size=1, num_workers=self.workers,
-            collate_fn=_keep, generator=own_generator(),
+            collate_fn=_stack, pin_memory=self.pin, generator=own_generator(),
         )  # fmt: skip
-        for items in loader:
-            yield _stack(items)
+        for batch in loader:
+            yield _checked(batch)
 
 
 class _Items(torch.utils.data.Dataset):

@@ -101,6 +101,14 @@ class _DecodeBatches(Dataset):
         return out, ok
 
 
+def _kept(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The images ``keep`` of ``x``, in memory pinned as ``x`` is: a batch is pinned once (by
+    the DataLoader, for a CUDA device), and the copy to the device reads that buffer
+    (``Tensor.pin_memory`` returns a pinned tensor itself), with no pageable copy between."""
+    out = torch.empty((len(keep), *x.shape[1:]), dtype=x.dtype, pin_memory=x.is_pinned())
+    return torch.index_select(x, 0, keep, out=out)
+
+
 class StreamingLoader:
     """Image files decoded and cropped by ``workers`` DataLoader processes, then the rest of
     :class:`BatchLoader`'s recipe (:class:`BatchRecipe`: its sharding, seeding, batches and
@@ -177,7 +185,9 @@ class StreamingLoader:
             y = self.labels[idx]
             self._count_bad(ok, idx)
             idx = torch.as_tensor(idx)
-            x, y, idx = x[ok], y[ok], idx[ok]
+            if not ok.all():  # only then a copy (pinned as the workers' batch was)
+                keep = ok.nonzero().flatten()
+                x, y, idx = _kept(x, keep), y[keep], idx[keep]
             if r.mix and len(y) % 2:
                 x, y, idx = x[:-1], y[:-1], idx[:-1]
             if len(y) == 0:

@@ -81,8 +81,10 @@ def run_eval(args: argparse.Namespace) -> int:
     real_sets = real.for_images(names, model.num_classes) if real else None
     aug = AugmentConfig(img_size=pre.size, crop_pct=pre.crop_pct,
                         interpolation=pre.interpolation, mean=pre.mean, std=pre.std)  # fmt: skip
+    # On the model's device: a GPU gets the uint8 batch and resizes and normalises it there.
     loader = make_loader(split, args.batch_size, num_classes=len(split.classes), train=False,
-                         aug=aug, with_index=True, workers=args.workers)  # fmt: skip
+                         aug=aug, with_index=True, workers=args.workers,
+                         device=device)  # fmt: skip
     if not args.json:
         print(f"preprocessing: {pre.describe()}", flush=True)
     recorder = TopKRecorder(k=5) if real or args.predictions else None  # per-image top-5
@@ -181,7 +183,7 @@ def run_predict(args: argparse.Namespace) -> int:
     results, failed = [], []
     for path in images:
         try:
-            x = preprocess_images(model, [path])  # its normalisation; LgvitError if unreadable
+            x = preprocess_images(model, [path], device)  # LgvitError if unreadable
         except LgvitError as e:  # one bad file among good ones: say so (below), go on
             failed.append(str(e))
             continue

@@ -64,11 +64,11 @@ def evaluate(
         raise LgvitError(f"tta={tta!r}: must be one of {', '.join(TTA_MODES)}")
     model.eval()
     progress = StepProgress(len(loader), desc, d.main and on_terminal())
-    correct1 = torch.zeros((), dtype=torch.float64)
-    correct5 = torch.zeros((), dtype=torch.float64)
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    count = torch.zeros((), dtype=torch.float64)
-    per_class = torch.zeros(2, num_classes, dtype=torch.float64)  # correct, seen
+    # The sums stay on the device (float64: exact counts) and are read once, after the last
+    # batch: a host read per batch would make the host wait for each batch's forward.
+    sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # top-1, top-5, loss
+    per_class = torch.zeros(2, num_classes, dtype=torch.float64, device=d.device)  # hit, seen
+    count = 0
     k = min(5, num_classes)
     for batch in loader:
         x, y = batch[0].to(d.device, non_blocking=True), batch[1].to(d.device, non_blocking=True)
@@ -76,19 +76,19 @@ def evaluate(
             logits = tta_logits(model, x, tta)
         if on_batch is not None:
             on_batch(logits, y, batch[2] if len(batch) > 2 else None)
-        loss_sum += F.cross_entropy(logits, y, reduction="sum").double().cpu()
         top = logits.topk(k, dim=1).indices
-        hit1 = (top[:, 0] == y).double().cpu()
-        correct1 += hit1.sum()
-        correct5 += (top == y[:, None]).any(1).double().sum().cpu()
+        hit1 = (top[:, 0] == y).double()
+        hit5 = (top == y[:, None]).any(1).double()
+        loss = F.cross_entropy(logits, y, reduction="sum").double()
+        sums += torch.stack([hit1.sum(), hit5.sum(), loss])
+        per_class[0].index_add_(0, y, hit1)
+        per_class[1].index_add_(0, y, torch.ones_like(hit1))
         count += len(y)
-        yc = y.cpu()
-        per_class[0].index_add_(0, yc, hit1)
-        per_class[1].index_add_(0, yc, torch.ones_like(hit1))
         progress.update(len(y) * d.world_size)
     progress.close()
-    stats = torch.cat([torch.stack([correct1, correct5, loss_sum, count]), per_class.flatten()])
-    stats = all_reduce_sum(stats.to(d.device), d).cpu()
+    n_local = torch.tensor([float(count)], dtype=torch.float64, device=d.device)
+    stats = torch.cat([sums, n_local, per_class.flatten()])
+    stats = all_reduce_sum(stats, d).cpu()
     c1, c5, ls, n = stats[:4].tolist()
     pc = stats[4:].view(2, num_classes)
     n = max(n, 1.0)
@@ -113,11 +113,12 @@ class TopKRecorder:
         if idx is None:
             raise LgvitError("TopKRecorder needs a loader built with with_index=True")
         top = logits.float().softmax(-1).topk(min(self.k, logits.shape[-1]), dim=-1)
-        self._parts.append((idx.cpu(), y.cpu(), top.indices.cpu(), top.values.cpu()))
+        # Kept where they are (the device) and read once in result(): no host wait per batch.
+        self._parts.append((idx, y, top.indices, top.values))
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(index (N,), label (N,), top classes (N, k), their probabilities (N, k))``."""
-        idx, y, top, p = (torch.cat(t) for t in zip(*self._parts, strict=True))
+        idx, y, top, p = (torch.cat(t).cpu() for t in zip(*self._parts, strict=True))
         order = idx.argsort()
         return idx[order], y[order], top[order], p[order]
 

@@ -73,7 +73,7 @@ def run_eval(args: argparse.Namespace) -> int:
             f"{_ids(split.cat_ids)}); pass --any-classes to evaluate anyway"
         )
     device = next(model.parameters()).device
-    loader = DetEvalLoader(split, workers=args.workers)
+    loader = DetEvalLoader(split, workers=args.workers, device=device)
     amp = resolve_amp(args.amp, device)
     res = evaluate_detection(model, loader, split, info["label_offset"], Dist(device=device),
                              amp, keep_results=True,

@@ -77,7 +77,7 @@ def coco_evaluate(
 def detect(model: nn.Module, images: list[torch.Tensor], amp: torch.dtype | None = None) -> list:
     """torchvision detector outputs (on the CPU) for uint8 ``(3, H, W)`` images."""
     device = next(model.parameters()).device
-    x = [im.to(device).float().div_(255) for im in images]
+    x = [im.to(device, non_blocking=True).float().div_(255) for im in images]
     with torch.no_grad(), autocast(device, amp):
         out = model(x)
     return [{k: v.float().cpu() if v.is_floating_point() else v.cpu() for k, v in o.items()}

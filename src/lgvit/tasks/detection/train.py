@@ -141,9 +141,11 @@ class DetectionTask:
         train_loader = DetTrainLoader(train, cfg.batch_size, cfg.seed, d.rank, d.world_size,
                                       cfg.workers, with_masks=masks,
                                       hflip=0.5 if cfg.hflip else 0.0,
-                                      max_bad_fraction=cfg.max_bad_fraction)  # fmt: skip
+                                      max_bad_fraction=cfg.max_bad_fraction,
+                                      device=d.device)  # fmt: skip
         test_loader = DetEvalLoader(self.val, d.rank, d.world_size, cfg.workers,
-                                    max_bad_fraction=cfg.max_bad_fraction)  # fmt: skip
+                                    max_bad_fraction=cfg.max_bad_fraction,
+                                    device=d.device)  # fmt: skip
         self.train_loader = train_loader
         params = sum(p.numel() for p in model.parameters()) / 1e6
         long, short = max(cfg.det_scale), min(cfg.det_scale)

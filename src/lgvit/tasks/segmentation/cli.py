@@ -60,7 +60,7 @@ def run_eval(args: argparse.Namespace) -> int:
             "to evaluate anyway"
         )
     device = next(model.parameters()).device
-    loader = SegEvalLoader(split, info["scale"], workers=args.workers)
+    loader = SegEvalLoader(split, info["scale"], workers=args.workers, device=device)
     amp = resolve_amp(args.amp, device)
     n = len(info["classes"])
     res = evaluate_segmentation(model, loader, n, Dist(device=device), amp, info["mean"],

@@ -36,12 +36,17 @@ class SegMetrics:
 
     def update(self, pred: torch.Tensor, label: torch.Tensor) -> None:
         """``pred`` and ``label``: integer maps of one shape; ``label`` 255 is not scored."""
-        keep = label != IGNORE
-        p, t = pred[keep].long(), label[keep].long()
+        # A confusion matrix by scatter_add_: masking (``x[keep]``) and ``bincount`` read the
+        # host on a GPU (the output size), this does not. Row n takes labels outside the
+        # classes (their prediction counts, their label does not); bin (n+1)*n the ignored.
         n = self.n
-        inter = torch.bincount(t[p == t], minlength=n)[:n]
-        area_p = torch.bincount(p, minlength=n)[:n]
-        area_t = torch.bincount(t, minlength=n)[:n]
+        p, t = pred.reshape(-1).long(), label.reshape(-1).long()
+        t = torch.where((t >= 0) & (t < n), t, n)
+        cell = torch.where(label.reshape(-1) != IGNORE, t * n + p, (n + 1) * n)
+        conf = torch.zeros((n + 1) * n + 1, dtype=torch.long, device=cell.device)
+        conf = conf.scatter_add_(0, cell, torch.ones_like(cell))[:-1].view(n + 1, n)
+        inter = conf[:n].diagonal()
+        area_p, area_t = conf.sum(0), conf[:n].sum(1)
         self.areas += torch.stack([inter, area_p + area_t - inter, area_p, area_t]).to(self.areas)
 
     def reduce(self, d: Dist) -> None:
@@ -75,7 +80,7 @@ def predict_logits(
 ) -> torch.Tensor:  # fmt: skip
     """Class logits ``(B, C, *out_size)`` of uint8 images (resized back bilinear, float32)."""
     device = next(model.parameters()).device
-    x = normalise(image.to(device), mean, std)
+    x = normalise(image.to(device, non_blocking=True), mean, std)
     with torch.no_grad(), autocast(device, amp):
         logits = model(x)
     return F.interpolate(logits.float(), size=out_size, mode="bilinear", align_corners=False)
@@ -107,7 +112,7 @@ def evaluate_segmentation(
     progress = StepProgress(len(loader), desc, d.main and on_terminal())
     count = 0
     for image, mask in loader:
-        mask = mask.to(d.device)
+        mask = mask.to(d.device, non_blocking=True)
         scores = predict_scores(model, image, tuple(mask.shape[-2:]), mean, std, amp, flip)
         metrics.update(scores.argmax(1), mask)
         count += len(image)

@@ -137,8 +137,9 @@ class SegmentationTask:
                          cat_max_ratio=cfg.cat_max_ratio, hflip=cfg.hflip,
                          photometric=cfg.photometric)  # fmt: skip
         train_loader = SegTrainLoader(train, aug, cfg.batch_size, cfg.seed, d.rank,
-                                      d.world_size, cfg.workers)  # fmt: skip
-        test_loader = SegEvalLoader(val, cfg.seg_scale, d.rank, d.world_size, cfg.workers)
+                                      d.world_size, cfg.workers, d.device)  # fmt: skip
+        test_loader = SegEvalLoader(val, cfg.seg_scale, d.rank, d.world_size, cfg.workers,
+                                    d.device)  # fmt: skip
         params = sum(p.numel() for p in model.parameters()) / 1e6
         description = (
             f"Semantic FPN on {cfg.model} ({params:.2f}M params), data {cfg.data}: "
