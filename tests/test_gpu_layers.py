@@ -85,6 +85,18 @@ def test_torchvision_and_pure_give_the_same_outputs_and_gradients():
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
+def test_torchvision_kernel_under_bf16_autocast_matches_the_pure_path():
+    """Under autocast the offsets come in bf16 beside a float32 input: torchvision's kernel is
+    given one dtype for all (it refused the mix: "expected scalar type Float")."""
+    tv, pure = _dtm_pair()
+    x = torch.randn(3, 6 * 5, 4, generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_tv, _ = tv(x, (6, 5))
+        y_pure, _ = pure(x, (6, 5))
+    assert torch.isfinite(y_tv).all()
+    torch.testing.assert_close(y_tv.float(), y_pure.float(), rtol=5e-2, atol=5e-2)
+
+
 def _count_torchvision_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Patch torchvision's kernel with a counting wrapper; the list's length is the calls."""
     real = deform._torchvision_deform_conv2d()

@@ -77,11 +77,13 @@ def deform_conv2d(
     if use_torchvision and tv is None:
         raise RuntimeError("use_torchvision=True but torchvision.ops.deform_conv2d does not import")
     if tv is not None:
-        if x.dtype not in (torch.float32, torch.float64):
-            # torchvision's kernels have no bf16 (CPU: no fp16 either); under autocast they run
-            # in float32 too, as the pure path samples.
-            args = (x, offset, weight) + (() if bias is None else (bias,))
-            x, offset, weight, *rest = (t.float() for t in args)
+        args = (x, offset, weight) + (() if bias is None else (bias,))
+        # torchvision's kernels have no bf16 (CPU: no fp16 either) and want one dtype for all
+        # (under autocast the offsets come in bf16 beside a float32 input): they run in float32
+        # then, as the pure path samples.
+        work = torch.float64 if any(t.dtype == torch.float64 for t in args) else torch.float32
+        if any(t.dtype != work for t in args):
+            x, offset, weight, *rest = (t.to(work) for t in args)
             out = tv(x, offset, weight, rest[0] if rest else None, (sh, sw), (ph, pw), (dh, dw))
             return out.to(args[0].dtype)
         return tv(x, offset, weight, bias, (sh, sw), (ph, pw), (dh, dw))
