@@ -60,6 +60,14 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
+@pytest.fixture(params=[TEST_DEVICE])
+def device(request: pytest.FixtureRequest) -> str:
+    """The device a ``device``-marked test runs on (in its id: ``[cpu]`` or ``[cuda]``)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("LGVIT_TEST_DEVICE=cuda, but torch.cuda.is_available() is False here")
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _cpu_unless_device_test(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     """Under LGVIT_TEST_DEVICE=cuda this process still sees its GPUs (for the device tests):

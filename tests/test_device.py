@@ -43,13 +43,6 @@ FAMILIES = {
 FP16_CPU = "fp16 autocast with a GradScaler is CUDA-only (lgvit refuses --amp fp16 on a CPU)"
 
 
-@pytest.fixture(params=[TEST_DEVICE])
-def device(request: pytest.FixtureRequest) -> str:
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("LGVIT_TEST_DEVICE=cuda, but torch.cuda.is_available() is False here")
-    return request.param
-
-
 @contextlib.contextmanager
 def ieee_fp32() -> Iterator[None]:
     """fp32 matmuls and convolutions in full precision on CUDA (no TF32), restored after: the
