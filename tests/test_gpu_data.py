@@ -265,12 +265,21 @@ def _pngs(root: Path, n: int, size: tuple[int, int]) -> list[str]:
     return out
 
 
+def _cpu_generators(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU here: a loader for a CUDA device gets CPU generators where it would make its
+    augmentation generator on the GPU (eval batches draw nothing from it)."""
+    real = torch.Generator
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch, "Generator", lambda device=None: real())
+
+
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_streaming_eval_batches_go_to_the_device_as_pinned(tmp_path, monkeypatch, device):
     """For CUDA the workers' batch is pinned once and that very buffer is copied to the device
     (the bug: compacting it made a pageable copy, pinned again); for the CPU nothing pins."""
     paths = _pngs(tmp_path / "im", 6, (20, 24))
     files = FileImageSet(paths, torch.tensor([0, 1, 2, 0, 1, 2]), ["a", "b", "c"])
+    _cpu_generators(monkeypatch)
     spy = PinSpy()
     monkeypatch.setattr("lgvit.data.stream.DataLoader", spy.Loader)
     sent: list[torch.Tensor] = []
@@ -383,7 +392,7 @@ def test_lgvit_eval_gives_its_loader_the_models_device(tmp_path, monkeypatch, ca
     assert json.loads(out.out)["count"] == 4
 
 
-def test_a_cuda_eval_loader_moves_the_uint8_batch_before_resizing():
+def test_a_cuda_eval_loader_moves_the_uint8_batch_before_resizing(monkeypatch):
     """The logic a GPU runs, on the CPU: the loader for a CUDA device sends the stored uint8
     images (not floats, not resized) and its output equals the CPU loader's exactly."""
     g = torch.Generator().manual_seed(0)
@@ -391,6 +400,7 @@ def test_a_cuda_eval_loader_moves_the_uint8_batch_before_resizing():
     labels = torch.tensor([0, 1, 2, 0, 1])
     aug = AugmentConfig(img_size=16, crop_pct=0.875)
     cpu = list(BatchLoader(images, labels, 3, num_classes=3, train=False, aug=aug))
+    _cpu_generators(monkeypatch)
     cuda = BatchLoader(images, labels, 3, num_classes=3, train=False, aug=aug, device="cuda")
     sent: list[torch.Tensor] = []
 
