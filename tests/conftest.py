@@ -123,3 +123,30 @@ def quick_init() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.nn.init, "trunc_normal_", trunc_normal_)
         yield
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One small RGB PNG (40x36) to predict on."""
+    from PIL import Image
+
+    path = tmp_path_factory.mktemp("img") / "x.png"
+    Image.new("RGB", (40, 36), (120, 60, 30)).save(path)
+    return str(path)
+
+
+class NanBatches:
+    """``n`` batches ``(x, y)`` for a linear model of 6 inputs and 3 classes; the batches whose
+    index is in ``bad`` hold a NaN (a loss that is not finite)."""
+
+    def __init__(self, n: int, bad: set[int]) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.batches = [(torch.randn(8, 6, generator=g), torch.arange(8) % 3) for _ in range(n)]
+        for i in bad:
+            self.batches[i][0][0, 0] = float("nan")
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)

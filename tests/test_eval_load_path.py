@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from PIL import Image
 
 import lgvit
 import lgvit.inference as inference
@@ -61,13 +60,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
             atomic_save_safetensors(weights, path, meta)
             out[task][kind] = path
     return out
-
-
-@pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("img") / "x.png"
-    Image.new("RGB", (40, 36), (120, 60, 30)).save(path)
-    return str(path)
 
 
 def _loaders() -> dict[str, Any]:

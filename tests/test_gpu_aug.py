@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import TEST_DEVICE
 from PIL import Image, ImageOps
 from torch.overrides import TorchFunctionMode
 
@@ -251,13 +250,6 @@ def test_a_gpu_recipe_draws_on_a_generator_of_the_batch_device(monkeypatch, devi
     _, gen = loader.recipe.pass_start()
     assert gen.device == torch.device(want)
     assert _FakeGenerator.made == [torch.device(want)]
-
-
-@pytest.fixture(params=[TEST_DEVICE])
-def device(request: pytest.FixtureRequest) -> str:
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("LGVIT_TEST_DEVICE=cuda, but torch.cuda.is_available() is False here")
-    return request.param
 
 
 @pytest.mark.device

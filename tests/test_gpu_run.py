@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import yaml
+from conftest import NanBatches
 from test_train import FAST
 
 from lgvit.cli import main
@@ -82,22 +83,6 @@ def test_a_local_rank_that_is_no_integer_is_one_line(one_gpu, monkeypatch):
 # ------------------------------------------------------------------ the non-finite skip
 
 
-class _Batches:
-    """``n`` batches for a linear model; those in ``bad`` hold a NaN."""
-
-    def __init__(self, n: int, bad: set[int]) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.batches = [(torch.randn(8, 6, generator=g), torch.arange(8) % 3) for _ in range(n)]
-        for i in bad:
-            self.batches[i][0][0, 0] = float("nan")
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self):
-        return iter(self.batches)
-
-
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
@@ -157,7 +142,7 @@ def test_the_skip_reads_nothing_on_the_host_per_step(one_epoch, as_on_a_gpu, hos
     for n in (4, 12):
         model = _model()
         host_syncs[0] = 0
-        one_epoch(model, _Batches(n, {1}), _optimizer(kind, model), _cfg())
+        one_epoch(model, NanBatches(n, {1}), _optimizer(kind, model), _cfg())
         counts.append(host_syncs[0])
     assert counts[0] == counts[1] <= 2, counts
 
@@ -181,7 +166,7 @@ def test_a_nan_step_leaves_weights_and_state_as_they_were(as_on_a_gpu, kind, ema
     o = engine.Optimisation(opt, None, avg, {})
     guard = nonfinite.NonFiniteGuard(opt, None, _cfg(), torch.device("cpu"))
     assert guard.on_device == (kind != "foreach_adamw")  # foreach AdamW: the host skips it
-    x, y = next(iter(_Batches(1, set())))
+    x, y = next(iter(NanBatches(1, set())))
     for i, xb in enumerate([x, x.clone().fill_(float("nan"))]):
         if i == 1:
             weights = copy.deepcopy(model.state_dict())
@@ -211,7 +196,7 @@ def test_a_run_skipping_on_the_device_matches_the_host_check(one_epoch, monkeypa
         model = _model()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            loss, _, _ = one_epoch(model, _Batches(6, {0, 2}), _optimizer(kind, model), _cfg())
+            loss, _, _ = one_epoch(model, NanBatches(6, {0, 2}), _optimizer(kind, model), _cfg())
         ends.append((loss, model.state_dict()))
         monkeypatch.undo()
     (loss_host, w_host), (loss_dev, w_dev) = ends
@@ -228,7 +213,7 @@ def test_under_a_grad_scaler_a_nan_loss_is_its_skip_too(as_on_a_gpu, host_syncs,
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     o = engine.Optimisation(opt, scaler, None, {})
     guard = nonfinite.NonFiniteGuard(opt, scaler, _cfg(), torch.device("cpu"))
-    x, y = next(iter(_Batches(1, set())))
+    x, y = next(iter(NanBatches(1, set())))
     for i, xb in enumerate([x, x.clone().fill_(float("nan"))]):
         if i == 1:
             weights, state = copy.deepcopy(model.state_dict()), _state(opt)
@@ -265,7 +250,7 @@ def test_lamb_takes_the_step_count_the_host_path_saved(as_on_a_gpu):
     """A LAMB state saved by the host path (an int step) continues on the device path."""
     model = _model()
     opt = _optimizer("lamb", model)
-    x, y = next(iter(_Batches(1, set())))
+    x, y = next(iter(NanBatches(1, set())))
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()  # the host path: no found_inf
     assert all(s["step"] == 1 for s in opt.state.values())

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 import yaml
+from conftest import NanBatches
 from PIL import Image
 from test_train import ENV, FAST, _folder, lgvit, metrics, one_line_error
 
@@ -223,22 +224,6 @@ def test_new_keys_validate(key, tmp_path):
 # ----------------------------------------------------------------- no host sync per step
 
 
-class _Batches:
-    """Four batches for a linear model; batch ``bad`` holds a NaN."""
-
-    def __init__(self, bad: set[int]) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.batches = [(torch.randn(8, 6, generator=g), torch.arange(8) % 3) for _ in range(4)]
-        for i in bad:
-            self.batches[i][0][0, 0] = float("nan")
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self):
-        return iter(self.batches)
-
-
 def _epoch(one_epoch, monkeypatch, bad: set[int], on_device: bool, max_nonfinite: int = 5):
     from lgvit.run import nonfinite
     from lgvit.run.config import TrainConfig
@@ -254,7 +239,7 @@ def _epoch(one_epoch, monkeypatch, bad: set[int], on_device: bool, max_nonfinite
     seen = []
     hook = lambda *a: seen.append(model.weight.detach().clone())  # noqa: E731
     opt.register_step_post_hook(hook)
-    out = one_epoch(model, _Batches(bad), opt, cfg, schedule=schedule)
+    out = one_epoch(model, NanBatches(4, bad), opt, cfg, schedule=schedule)
     return out, seen, opt
 
 

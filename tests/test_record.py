@@ -176,15 +176,6 @@ def _loader(task: str):
     return load_model
 
 
-@pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from PIL import Image
-
-    path = tmp_path_factory.mktemp("img") / "x.png"
-    Image.new("RGB", (40, 36), (120, 60, 30)).save(path)
-    return str(path)
-
-
 @pytest.mark.parametrize(("task", "key", "value"), CASES)
 def test_a_malformed_value_is_one_line_naming_the_file_and_key(task, key, value, image,
                                                                tmp_path, capsys):  # fmt: skip

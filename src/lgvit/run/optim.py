@@ -111,14 +111,7 @@ class Lamb(torch.optim.Optimizer):
                 st["step"] += 1
                 st["m"].lerp_(p.grad, 1 - b1)
                 st["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                m_hat = st["m"] / (1 - b1 ** st["step"])
-                v_hat = st["v"] / (1 - b2 ** st["step"])
-                update = m_hat / (v_hat.sqrt() + group["eps"])
-                if group["weight_decay"]:
-                    update.add_(p, alpha=group["weight_decay"])
-                w_norm, u_norm = p.norm(), update.norm()
-                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
-                p.add_(update * trust, alpha=-group["lr"])
+                p.add_(_trusted_update(p, st, group), alpha=-group["lr"])
         return None
 
     def _step_on_device(self, found_inf: torch.Tensor | None, grad_scale: Any) -> None:
@@ -146,15 +139,21 @@ class Lamb(torch.optim.Optimizer):
                 st["step"] += keep
                 st["m"].lerp_(g, keep * (1 - b1))
                 st["v"].mul_(torch.where(bad, 1.0, b2)).addcmul_(g, g, value=1 - b2)
-                m_hat = st["m"] / (1 - b1 ** st["step"])
-                v_hat = st["v"] / (1 - b2 ** st["step"])
-                update = m_hat / (v_hat.sqrt() + group["eps"])
-                if group["weight_decay"]:
-                    update.add_(p, alpha=group["weight_decay"])
-                w_norm, u_norm = p.norm(), update.norm()
-                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
                 # 0/0 on a skipped first step: where, not a product, keeps the weights exact
-                p.add_(torch.where(bad, 0.0, update * trust), alpha=-group["lr"])
+                p.add_(torch.where(bad, 0.0, _trusted_update(p, st, group)), alpha=-group["lr"])
+
+
+def _trusted_update(p: torch.Tensor, st: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
+    """LAMB's update of ``p`` from its bias-corrected moments, scaled by the trust ratio
+    ||p|| / ||update|| (1 where either norm is 0)."""
+    b1, b2 = group["betas"]
+    m_hat = st["m"] / (1 - b1 ** st["step"])
+    v_hat = st["v"] / (1 - b2 ** st["step"])
+    update = m_hat / (v_hat.sqrt() + group["eps"])
+    if group["weight_decay"]:
+        update.add_(p, alpha=group["weight_decay"])
+    w_norm, u_norm = p.norm(), update.norm()
+    return update * torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
 
 
 def build_optimizer(
