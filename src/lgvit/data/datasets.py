@@ -11,14 +11,23 @@ This module is the front door (:func:`load_dataset`); each source lives in its o
 * ``imagefolder`` (:mod:`lgvit.data.imagefolder`): ``<root>/train/<class>/*`` and
   ``<root>/val/<class>/*`` (or ``test/``), or a ``.tar.gz`` of such a tree, decoded once into a
   memory-mapped ``.npy`` cache (:mod:`lgvit.data.decode`), or streamed when too large.
+* ``wds`` (:mod:`lgvit.data.wds`): WebDataset shards (``.tar`` files of ``NNN.jpg`` +
+  ``NNN.cls`` samples, with timm's hub ``_info.json`` or without), streamed and split over
+  ranks and workers.
+* ``hfds`` (:mod:`lgvit.data.hfds`): a Hugging Face dataset on disk (``save_to_disk``, or the
+  hub's parquet / arrow files named by split), read map-style.
 * ``digits``, ``synthetic`` (:mod:`lgvit.data.builtin`): scikit-learn's bundled 8x8 digits,
   and seeded random images for tests and benchmarks.
+
+``wds`` and ``hfds`` are ImageNet as its users store it: read while iterating (never decoded
+into the cache), their images decoded and cropped by DataLoader workers like a streamed folder.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from lgvit.core.constants import (
     CIFAR10_MEAN,
@@ -48,6 +57,7 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "IMAGE_EXTENSIONS",
+    "SOURCES",
     "STREAM_ABOVE_BYTES",
     "DatasetSplits",
     "FileImageSet",
@@ -62,7 +72,8 @@ __all__ = [
 ]
 
 # The names load_dataset accepts: the one list the config and the command line check against.
-DATASETS = ("cifar10", "cifar100", "imagefolder", "digits", "synthetic")
+DATASETS = ("cifar10", "cifar100", "imagefolder", "wds", "hfds", "digits", "synthetic")
+SOURCES = ("wds", "hfds")  # read from shards or a Hugging Face dataset: need --data-dir
 
 STREAM_ABOVE_BYTES = 4 * 2**30  # an imagefolder whose decoded cache would exceed this streams
 
@@ -89,6 +100,10 @@ def load_dataset(
     num_classes: int = 10,
     seed: int = 0,
     stream: bool | None = None,
+    input_key: str | None = None,
+    target_key: str | None = None,
+    train_split: str | None = None,
+    val_split: str | None = None,
 ) -> DatasetSplits:
     """Load ``name`` (one of :func:`dataset_names`) as uint8 tensors.
 
@@ -100,7 +115,11 @@ def load_dataset(
     ``num_classes`` and ``seed`` only affect ``synthetic``. ``stream`` (imagefolder only): True
     returns the splits as :class:`FileImageSet` file lists for :mod:`lgvit.data.stream`, False
     always decodes into the cache, None (default) streams when the images would be resized and
-    the decoded cache would exceed ``STREAM_ABOVE_BYTES`` (ImageNet).
+    the decoded cache would exceed ``STREAM_ABOVE_BYTES`` (ImageNet). ``input_key``,
+    ``target_key`` (the image and label key of a shard's samples or a dataset's columns) and
+    ``train_split``/``val_split`` apply to ``wds`` and ``hfds``; None: the source's defaults
+    (timm's: ``jpg;png;webp`` / ``cls`` for shards, ``image`` / ``label`` columns, splits
+    ``train`` and ``validation``).
     """
     key = name.strip().lower()
     if key not in DATASETS:
@@ -113,6 +132,18 @@ def load_dataset(
 
     if key in CIFAR_SPECS:
         return load_cifar(key, data_dir, cache, download)
+    if key in SOURCES:
+        keys = dict(input_key=input_key, target_key=target_key)
+        splits = dict(train_split=train_split, val_split=val_split)
+        if key == "wds":
+            from lgvit.data.wds import wds_splits
+
+            return wds_splits(_source_dir(key, data_dir), cache=cache,
+                              max_bad_fraction=max_bad_fraction, **keys, **splits)  # fmt: skip
+        from lgvit.data.hfds import hfds_splits
+
+        return hfds_splits(_source_dir(key, data_dir), max_bad_fraction=max_bad_fraction,
+                           **keys, **splits)  # fmt: skip
     if key == "imagefolder":
         if data_dir is None:
             raise LgvitError(
@@ -132,6 +163,16 @@ def load_dataset(
     return load_synthetic(img_size or 32, synthetic_size, num_classes, seed)
 
 
+def _source_dir(key: str, data_dir: str | None) -> str:
+    """``--data-dir`` of shards or a Hugging Face dataset, which has no default location."""
+    if data_dir is None:
+        what = {"wds": "a folder of .tar shards, a brace pattern (train-{0000..1023}.tar) or "
+                "an _info.json", "hfds": "a dataset saved with save_to_disk, or a folder of "
+                "parquet or arrow files named by split"}[key]  # fmt: skip
+        raise LgvitError(f"the {key} dataset needs --data-dir: {what}")
+    return str(Path(data_dir).expanduser()) if "{" not in data_dir else data_dir
+
+
 def load_test_split(
     name: str,
     data_dir: str | None = None,
@@ -139,13 +180,33 @@ def load_test_split(
     img_size: int | None = None,
     cache_dir: str | None = None,
     class_map: str | None = None,
-) -> ImageSet | FileImageSet:
+    input_key: str | None = None,
+    target_key: str | None = None,
+    split: str | None = None,
+) -> ImageSet | FileImageSet | Any:
     """The split ``lgvit eval`` evaluates. An ``imagefolder`` is read from its files (each image
     preprocessed from the original, as timm's validation does, and named in the results): its
     ``val/`` or ``test/`` folder, or ``data_dir`` itself as a folder of class folders (no
     ``train/`` needed: ImageNet-V2's layout); ``class_map`` (timm's ``--class-map`` file) fixes
-    the class indices. Other datasets: their test split (see :func:`load_dataset`)."""
+    the class indices. ``wds``/``hfds``: their ``split`` (default: the validation split),
+    read with ``input_key``/``target_key``. Other datasets: their test split (see
+    :func:`load_dataset`)."""
     key = name.strip().lower()
+    if key not in SOURCES and (input_key or target_key or split):
+        raise LgvitError(f"--input-key, --target-key and --split apply to {' and '.join(SOURCES)}"
+                         f", not to the {name} dataset")  # fmt: skip
+    if key in SOURCES:
+        if class_map is not None:
+            raise LgvitError(f"a class map applies to image folders, not to the {name} dataset")
+        keys = dict(input_key=input_key, target_key=target_key, split=split)
+        if key == "wds":
+            from lgvit.data.wds import wds_split
+
+            cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+            return wds_split(_source_dir(key, data_dir), cache=cache, **keys)
+        from lgvit.data.hfds import hfds_split
+
+        return hfds_split(_source_dir(key, data_dir), **keys)
     if key != "imagefolder":
         if class_map is not None:
             raise LgvitError(f"a class map applies to image folders, not to the {name} dataset")

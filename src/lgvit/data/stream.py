@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -196,15 +197,22 @@ class StreamingLoader:
 
 
 def make_loader(
-    split: ImageSet | FileImageSet,
+    split: ImageSet | FileImageSet | Any,
     batch_size: int,
     *,
     workers: int = 2,
     max_bad_fraction: float = 0.05,
     **kwargs: Any,
-) -> BatchLoader | StreamingLoader:
-    """A :class:`BatchLoader` for a decoded split, a :class:`StreamingLoader` for a file list."""
-    if isinstance(split, FileImageSet):
+) -> BatchLoader | StreamingLoader | Any:
+    """A :class:`BatchLoader` for a decoded split, a ``ShardLoader`` for WebDataset shards
+    (:mod:`lgvit.data.wds`), a :class:`StreamingLoader` for a split read sample by sample (a
+    file list, a Hugging Face dataset)."""
+    shards = sys.modules.get("lgvit.data.wds")  # a ShardSet exists once its module is imported
+    if shards is not None and isinstance(split, shards.ShardSet):
+        return shards.ShardLoader(
+            split, batch_size, workers=workers, max_bad_fraction=max_bad_fraction, **kwargs
+        )
+    if not isinstance(split, ImageSet):
         return StreamingLoader(
             split, batch_size, workers=workers, max_bad_fraction=max_bad_fraction, **kwargs
         )
