@@ -31,7 +31,7 @@ from lgvit.core.constants import CROP_PCT, MAX_DENSE_SCALE
 from lgvit.core.errors import LgvitError, first_line
 from lgvit.core.runtime import AMP_MODES
 from lgvit.data.coco import COCO_DATASETS, DET_SCALE
-from lgvit.data.datasets import DATASETS
+from lgvit.data.datasets import DATASETS, SOURCES
 from lgvit.data.recipe import DEIT_RECIPE as _R
 from lgvit.data.recipe import RE_MODES, TRAIN_CROPS
 from lgvit.data.segmentation import SEG_DATASETS, SEG_SCALE
@@ -81,6 +81,12 @@ class TrainConfig:
     cache_dir: str | None = None  # where decoded uint8 images are cached (~/.cache/lgvit)
     max_bad_fraction: float = 0.05  # unreadable images tolerated per split before stopping
     stream: bool | None = None  # imagefolder: None = stream from files when too big to cache
+    # wds / hfds (None: timm's defaults): a shard sample's image key(s), e.g. 'jpg;png;webp'
+    # (the first present), or a dataset's image column ('image'); the label's ('cls', 'label')
+    input_key: str | None = None
+    target_key: str | None = None
+    train_split: str | None = None  # wds / hfds: the split trained on (None: train)
+    val_split: str | None = None  # wds / hfds: the split evaluated (None: validation)
     # schedule
     epochs: int = 300  # training epochs
     iters: int | None = None  # an iteration budget instead (the run's epochs follow from it)
@@ -671,5 +677,8 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
         fail("crop_pct", "must be in (0, 1]")
     if not all(0 <= b < 1 for b in cfg.opt_betas):
         fail("opt_betas", "both betas must be in [0, 1)")
-    if cfg.data == "imagefolder" and not cfg.data_dir:
-        fail("data_dir", "data=imagefolder needs data_dir")
+    if cfg.data in (*SOURCES, "imagefolder") and not cfg.data_dir:
+        fail("data_dir", f"data={cfg.data} needs data_dir")
+    for key in ("input_key", "target_key", "train_split", "val_split"):
+        if getattr(cfg, key) is not None and cfg.data not in SOURCES:
+            fail(key, f"applies to data={' or '.join(SOURCES)}, not {cfg.data}")

@@ -28,6 +28,10 @@ EVAL_FLAGS = (
          help="ImageNet-ReaL's real.json: also report ReaL top-1/top-5"),
     Flag("--predictions", metavar="FILE",
          help="a CSV: image, label, top-5 classes and probabilities"),
+    Flag("--input-key", help="wds/hfds: image key(s) of a sample or image column (default: "
+         "jpg;png;webp, image)"),
+    Flag("--target-key", help="wds/hfds: label key or column (default: cls, label)"),
+    Flag("--split", help="wds/hfds: the split to evaluate (default: validation)"),
     Flag("--batch-size", type=int, default=128, help="images per batch"),
     Flag("-j", "--workers", type=int, default=2, help="decoding processes for an image folder"),
     Flag("--tta", choices=get_task("classification").eval_tta, default="none", help=TTA_HELP),
@@ -55,7 +59,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
         check_writable(args.predictions, "--predictions")
     from lgvit.core.runtime import Dist, precision_name, resolve_amp
-    from lgvit.data.datasets import FileImageSet, load_test_split
+    from lgvit.data.datasets import ImageSet, load_test_split
     from lgvit.data.loader import AugmentConfig
     from lgvit.data.stream import make_loader
     from lgvit.inference import load_model, resolve_preprocessing
@@ -74,10 +78,15 @@ def run_eval(args: argparse.Namespace) -> int:
     pre = resolve_preprocessing(model, crop_pct=args.crop_pct, interpolation=args.interpolation,
                                 mean=args.mean, std=args.std)  # fmt: skip
     split = load_test_split(args.data, args.data_dir, img_size=pre.size,
-                            cache_dir=args.cache_dir, class_map=args.class_map)  # fmt: skip
+                            cache_dir=args.cache_dir, class_map=args.class_map,
+                            input_key=args.input_key, target_key=args.target_key,
+                            split=args.split)  # fmt: skip
     _check_eval_classes(args, model, split.classes)
-    files = isinstance(split, FileImageSet)
-    names = split.paths if files else [f"{args.data}/test/{i}" for i in range(len(split))]
+    if isinstance(split, ImageSet):  # decoded in memory: named by position
+        names = [f"{args.data}/test/{i}" for i in range(len(split))]
+    else:  # read sample by sample: a file's path, a shard's sample, a dataset's row
+        names = [split.name(i) for i in range(len(split))]
+
     real_sets = real.for_images(names, model.num_classes) if real else None
     aug = AugmentConfig(img_size=pre.size, crop_pct=pre.crop_pct,
                         interpolation=pre.interpolation, mean=pre.mean, std=pre.std)  # fmt: skip

@@ -60,6 +60,9 @@ def build_data(cfg: TrainConfig, img_size: int, d: Dist) -> DatasetSplits:
         seed=cfg.seed,
         stream=cfg.stream,
     )
+    for key in ("input_key", "target_key", "train_split", "val_split"):
+        if getattr(cfg, key) is not None:  # validated: wds and hfds only
+            kw[key] = getattr(cfg, key)
     if cfg.data == "synthetic" and cfg.num_classes:
         kw["num_classes"] = cfg.num_classes
     if d.main:
