@@ -45,6 +45,10 @@ class FileImageSet:
     def __len__(self) -> int:
         return len(self.paths)
 
+    def name(self, i: int) -> str:
+        """Image ``i``'s name in results (every split read sample by sample has one)."""
+        return self.paths[i]
+
 
 @dataclass
 class DatasetSplits:
