@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import re
 import sys
 import time
 import warnings
@@ -270,9 +271,60 @@ def check_local_rank(local: int, local_world: int) -> None:
         )
 
 
+# SLURM launches (srun) without torchrun: the rendezvous port on the job's first host, unless
+# MASTER_PORT is set. Offset by the job id, so two jobs sharing a first node do not collide.
+SLURM_PORT_BASE = 29500
+_TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list (``gpu[07-09,12],cpu3`` -> ``gpu07``), as ``scontrol
+    show hostnames`` would print first, without needing scontrol."""
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):  # the first top-level item
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            end = i
+            break
+    item = nodelist[:end].strip()
+    # each bracket group: its first range's first value (zero padding kept)
+    host = re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], item)
+    if not host or "[" in host or "]" in host:
+        raise LgvitError(f"SLURM_NODELIST={nodelist!r}: not a SLURM node list")
+    return host
+
+
+def slurm_environment(env: dict[str, str]) -> dict[str, str]:
+    """torchrun's variables for a process ``srun`` started (``SLURM_PROCID``, ``SLURM_NTASKS``,
+    ``SLURM_LOCALID``, ``SLURM_NODELIST``), when no torchrun variable is set; empty otherwise
+    (a single task, or torchrun started by srun: torchrun's own variables win)."""
+    if "SLURM_PROCID" not in env or any(k in env for k in _TORCHRUN_VARS):
+        return {}
+    tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1"
+    if tasks == "1":
+        return {}
+    missing = [k for k in ("SLURM_LOCALID", "SLURM_NODELIST") if k not in env]
+    if missing:
+        raise LgvitError(f"SLURM_PROCID is set but {', '.join(missing)} is not: launch each "
+                         "process with srun, or use torchrun")  # fmt: skip
+    job = env.get("SLURM_JOB_ID", "0")
+    port = env.get("MASTER_PORT") or str(SLURM_PORT_BASE + int(job) % 1000 if job.isdigit()
+                                         else SLURM_PORT_BASE)  # fmt: skip
+    out = {
+        "RANK": env["SLURM_PROCID"], "WORLD_SIZE": tasks, "LOCAL_RANK": env["SLURM_LOCALID"],
+        "MASTER_ADDR": first_host(env["SLURM_NODELIST"]), "MASTER_PORT": port,
+    }  # fmt: skip
+    if "SLURM_NTASKS_PER_NODE" in env and env["SLURM_NTASKS_PER_NODE"].isdigit():
+        out["LOCAL_WORLD_SIZE"] = env["SLURM_NTASKS_PER_NODE"]
+    return out
+
+
 def setup_distributed(device_name: str = "auto") -> Dist:
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: gloo on CPU, nccl on CUDA. ``device_name``:
-    ``auto`` (CUDA when there is one), ``cpu`` or ``cuda`` (each process its local GPU)."""
+    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: gloo on CPU, nccl on CUDA; a process srun
+    started without torchrun takes them from SLURM's (:func:`slurm_environment`).
+    ``device_name``: ``auto`` (CUDA when there is one), ``cpu`` or ``cuda`` (each process its
+    local GPU)."""
+    os.environ.update(slurm_environment(dict(os.environ)))
     world = _env_int("WORLD_SIZE", 1)
     local = _env_int("LOCAL_RANK", 0)
     use_cuda = torch.cuda.is_available() if device_name == "auto" else device_name == "cuda"
