@@ -253,6 +253,18 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_average(args: argparse.Namespace) -> int:
+    from lgvit.tools.average import average_files, sources
+
+    if args.best is not None and args.best < 1:
+        raise LgvitError(f"--best {args.best}: must be at least 1")
+    files = sources(args.sources, args.best, ema=not args.no_ema)
+    average_files(files, args.out)
+    print(f"{args.out}: the mean of {len(files)} checkpoint(s): "
+          + ", ".join(str(f) for f in files))  # fmt: skip
+    return 0
+
+
 def _pair(text: str) -> tuple[int, int]:
     try:
         y, x = (int(v) for v in text.split(","))
@@ -277,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_info, _add_weights, _add_bench, _add_export, _add_train, _add_configs,
-                _add_eval, _add_predict, _add_plot, _add_viz):  # fmt: skip
+                _add_eval, _add_predict, _add_average, _add_plot, _add_viz):  # fmt: skip
         add(sub)
     return parser
 
@@ -474,6 +486,24 @@ def _add_predict(sub: Any) -> None:
     add_task_flags(p, "predict")
     p.add_argument("images", nargs="+")
     p.set_defaults(func=cmd_predict)
+
+
+def _add_average(sub: Any) -> None:
+    from lgvit.tools.average import __doc__ as average_doc
+
+    p = sub.add_parser(
+        "average",
+        help="average checkpoints' weights (a run's best kept epochs, or files), as timm's "
+        "avg_checkpoints.py",
+        description=average_doc.split("\n\n", 1)[1],
+    )
+    p.add_argument("sources", nargs="+", metavar="RUN_OR_FILE",
+                   help="a run directory trained with keep_best, or checkpoint files")  # fmt: skip
+    p.add_argument("--best", type=int, help="the N best kept epochs of the run (default: all)")
+    p.add_argument("--no-ema", action="store_true",
+                   help="the kept epochs' weights, not their EMA weights")  # fmt: skip
+    p.add_argument("--out", required=True, help="the averaged .safetensors file")
+    p.set_defaults(func=cmd_average)
 
 
 def _add_plot(sub: Any) -> None:

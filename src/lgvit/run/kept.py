@@ -1,0 +1,92 @@
+"""The run's checkpoint history (``keep_best: N``): the weights of its N best epochs.
+
+timm's ``--checkpoint-hist`` keeps the best few epochs so that ``avg_checkpoints.py`` can average
+them (a few tenths of a point for nothing). Here the kept epochs live in ``<out>/kept/``: each
+one's weights (``epoch-0012.safetensors``, with the run's metadata, so each loads in ``lgvit
+eval`` by itself) and, with an EMA, its EMA weights (``epoch-0012_ema.safetensors``), listed
+best first in ``kept.json``. A new epoch's files are on disk before the index names them, and
+the ones that fell out are removed only after the new index is in place: a kill at any moment
+leaves an index whose files all exist (at worst a file no index names, removed next time).
+``lgvit average RUN --best N`` reads the index.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from lgvit.core.atomic import atomic_save_safetensors, atomic_write_bytes
+from lgvit.core.errors import LgvitError
+
+KEPT_DIR = "kept"
+KEPT_INDEX = "kept.json"
+
+
+def _name(epoch: int, ema: bool) -> str:
+    return f"epoch-{epoch + 1:04d}{'_ema' if ema else ''}.safetensors"
+
+
+def kept_checkpoints(out: str | Path) -> list[dict[str, Any]]:
+    """The kept epochs of run directory ``out``, best first: ``epoch`` (from 0), ``metric``,
+    ``weights`` and ``ema`` (paths; ``ema`` None without an EMA). A run without them, or a
+    damaged index, is one line."""
+    index = Path(out) / KEPT_DIR / KEPT_INDEX
+    if not index.is_file():
+        raise LgvitError(
+            f"{out}: no kept checkpoints ({index} is missing): train with --set keep_best=N "
+            "to keep the N best epochs, or name the checkpoint files to average"
+        )
+    try:
+        rows = json.loads(index.read_text())
+        kept = [
+            {
+                "epoch": int(r["epoch"]),
+                "metric": float(r["metric"]),
+                "weights": index.parent / str(r["weights"]),
+                "ema": index.parent / str(r["ema"]) if r.get("ema") else None,
+            }
+            for r in rows
+        ]
+    except (ValueError, TypeError, KeyError) as e:
+        raise LgvitError(f"{index}: not a kept-checkpoint index ({e})") from None
+    return kept
+
+
+def keep_epoch(
+    out: Path,
+    n: int,
+    epoch: int,
+    metric: float,
+    weights: Mapping[str, Tensor],
+    ema: Mapping[str, Tensor] | None,
+    metadata: Mapping[str, str],
+) -> list[int]:
+    """Add ``epoch`` (scored ``metric``, higher is better) to the ``n`` best kept when it is
+    among them; returns the kept epochs, best first."""
+    folder = out / KEPT_DIR
+    try:
+        rows = json.loads((folder / KEPT_INDEX).read_text())
+    except (OSError, ValueError):  # none yet (a damaged index restarts the history)
+        rows = []
+    rows = [r for r in rows if r.get("epoch") != epoch]  # an epoch evaluated again on resume
+    ranked = sorted([*rows, {"epoch": epoch, "metric": metric}], key=lambda r: -r["metric"])
+    keep = ranked[:n]
+    if all(r["epoch"] != epoch for r in keep):
+        return [r["epoch"] for r in keep]
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_save_safetensors(weights, folder / _name(epoch, False), metadata)
+    if ema is not None:
+        atomic_save_safetensors(ema, folder / _name(epoch, True), metadata)
+    for r in keep:
+        if r["epoch"] == epoch:
+            r.update(weights=_name(epoch, False), ema=_name(epoch, True) if ema else None)
+    atomic_write_bytes(folder / KEPT_INDEX, json.dumps(keep, indent=1).encode())
+    named = {r["weights"] for r in keep} | {r["ema"] for r in keep if r.get("ema")}
+    for f in folder.glob("epoch-*.safetensors"):  # fell out of the best n (or never indexed)
+        if f.name not in named:
+            f.unlink(missing_ok=True)
+    return [r["epoch"] for r in keep]

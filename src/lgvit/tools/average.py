@@ -1,0 +1,85 @@
+"""``lgvit average``: the mean of several checkpoints' weights, as timm's ``avg_checkpoints.py``.
+
+The sources are a run directory's kept epochs (``--best N`` of them; their EMA weights when the
+run kept an EMA, unless ``--no-ema``) or checkpoint files named one by one. Floating-point
+tensors (weights, and BatchNorm's running mean and variance) are averaged in float64 and stored
+in their own dtype; integer tensors (BatchNorm's ``num_batches_tracked``) are taken from the last
+source. The result keeps the first source's metadata (model, classes, preprocessing), so it
+loads wherever a checkpoint does: ``lgvit eval``, ``predict``, ``export`` and
+``create_model(name, checkpoint_path=...)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lgvit.checkpoints.files import PAIR_ID_KEY, load_metadata, load_weights
+from lgvit.core.atomic import atomic_save_safetensors, check_writable
+from lgvit.core.errors import LgvitError
+from lgvit.run.kept import kept_checkpoints
+
+__all__ = ["average_files", "average_weights", "sources"]
+
+
+def average_weights(states: Sequence[dict[str, Tensor]], names: Sequence[str]) -> dict[str, Tensor]:
+    """The mean of ``states`` (named ``names`` in errors): float tensors in float64, then their
+    dtype; integer and bool tensors from the last state. Every state must hold the same keys
+    with the same shapes."""
+    if not states:
+        raise LgvitError("nothing to average: no checkpoints given")
+    first, sums = states[0], {}
+    for state, name in zip(states, names, strict=True):
+        if state.keys() != first.keys():
+            extra = sorted(set(state) ^ set(first))
+            raise LgvitError(f"{name}: its weights differ from {names[0]}'s in {extra[:3]} (all "
+                             "averaged checkpoints must be of one model)")  # fmt: skip
+        for k, v in state.items():
+            if v.shape != first[k].shape:
+                raise LgvitError(f"{name}: {k} has shape {tuple(v.shape)}, {names[0]} "
+                                 f"{tuple(first[k].shape)}")  # fmt: skip
+            if v.is_floating_point():
+                sums[k] = sums.get(k, 0) + v.to(torch.float64)
+    out = {}
+    for k, v in states[-1].items():
+        out[k] = (sums[k] / len(states)).to(v.dtype) if k in sums else v.clone()
+    return out
+
+
+def sources(paths: Sequence[str], best: int | None, ema: bool = True) -> list[Path]:
+    """The files to average: a single run directory's ``best`` kept epochs (EMA weights when
+    kept and ``ema``), or the checkpoint files themselves."""
+    if len(paths) == 1 and Path(paths[0]).is_dir():
+        kept = kept_checkpoints(paths[0])
+        n = best or len(kept)
+        if n > len(kept):
+            raise LgvitError(f"--best {n}: {paths[0]} kept {len(kept)} epoch(s) "
+                             f"({', '.join(str(r['epoch'] + 1) for r in kept)})")  # fmt: skip
+        return [r["ema"] if ema and r["ema"] else r["weights"] for r in kept[:n]]
+    if best is not None:
+        raise LgvitError("--best N takes one run directory (its kept epochs), not files")
+    if len(paths) < 2:
+        raise LgvitError(f"{paths[0]}: give a run directory with kept epochs, or two or more "
+                         "checkpoint files to average")  # fmt: skip
+    return [Path(p) for p in paths]
+
+
+def average_files(files: Sequence[Path], out: str | Path) -> dict[str, Tensor]:
+    """Average ``files`` into ``out`` (a ``.safetensors`` file, written atomically) with the
+    first file's metadata; returns the averaged weights."""
+    out = Path(out)
+    if not out.name.endswith(".safetensors"):
+        raise LgvitError(f"--out {out}: the average is written as a .safetensors file")
+    check_writable(out, "--out")
+    states = [load_weights(f) for f in files]
+    averaged = average_weights(states, [str(f) for f in files])
+    try:
+        meta = load_metadata(files[0])
+    except LgvitError:  # a .pth carries no metadata: the average then has none either
+        meta = {}
+    meta = {k: v for k, v in meta.items() if k != PAIR_ID_KEY}  # it pairs no train state
+    atomic_save_safetensors(averaged, out, meta)
+    return averaged
