@@ -193,6 +193,22 @@ def _load_folder(
     return model
 
 
+def initial_weights_file(source: str, model_name: str | None) -> str:
+    """What ``--initial-checkpoint`` names: a file, as given, or released classification
+    weights by name (``lit_ti.in1k_authors``, of the run's ``model_name``): their file in the
+    weights cache, downloaded and checked on the registered model once, as ``create_model(...,
+    pretrained=True)`` does."""
+    released = _released(source, model_name)
+    if released is None:
+        return source
+    from lgvit.models import create_model
+    from lgvit.models.download import fetch
+    from lgvit.models.weights import find_weights
+
+    w = find_weights(released)
+    return str(fetch(w, lambda path: create_model(w.model, checkpoint_path=str(path))).path)
+
+
 def _released(checkpoint: str, model_name: str | None) -> str | None:
     """``checkpoint`` when it names released classification weights (``model.tag``) and is
     not a file; ``--model``, when given, must be theirs."""

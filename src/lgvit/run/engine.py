@@ -46,6 +46,7 @@ from lgvit.core.runtime import (
     set_numerics,
 )
 from lgvit.data.protocol import Loader, TrainLoader, check_loaders
+from lgvit.inference import initial_weights_file
 from lgvit.run.config import TrainConfig, config_from_dict, config_to_dict, save_config, scaled_lr
 from lgvit.run.nonfinite import NonFiniteGuard
 from lgvit.run.nonfinite import NonFiniteLoss as NonFiniteLoss  # where callers import it
@@ -486,17 +487,17 @@ def _start(
     prepared = task.prepare(cfg, d)
     check_loaders(prepared.train_loader, prepared.test_loader)  # before hours of training
     model = prepared.model
-    rescaled = None
+    start_note = None  # a resume rescaled, or the fine-tuning start: logged after the reset
     if stem is not None:  # refused before anything is written, then noted once it starts
         # read before the lock was taken: used only when it is of the checkpoint resumed
         known = resumed.record if resumed is not None and resumed.stem == stem else None
         check_same_classes(stem, prepared.metadata, known)
-        rescaled = rescale_resume(state, cfg, len(prepared.train_loader), d.world_size)
+        start_note = rescale_resume(state, cfg, len(prepared.train_loader), d.world_size)
     if weights is not None:
         model.load_state_dict(weights)
     elif cfg.initial_checkpoint:  # a task may read other layouts (a backbone's weights)
         load = getattr(task, "load_initial", None) or load_initial_weights
-        log(load(model, cfg.initial_checkpoint))
+        start_note = load(model, initial_weights_file(cfg.initial_checkpoint, cfg.model))
     model.to(d.device)
     amp = resolve_amp(cfg.amp, d.device)
     if d.main:  # written once the run is known to start: a refused start changes nothing
@@ -508,7 +509,7 @@ def _start(
         f"{prepared.description}; {d.world_size} process(es) on {d.device.type}, "
         f"global batch {cfg.batch_size * d.world_size}; amp {amp or 'none'}"
     )
-    for note in [*prepared.notes, *([rescaled] if rescaled else [])]:
+    for note in [*prepared.notes, *([start_note] if start_note else [])]:
         log(note)
     opt = _optimisation(cfg, task, prepared, d, amp)
     if stem is None:
