@@ -199,6 +199,7 @@ TIMM_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--min-lr": ("min_lr", float, "lr the schedule decays to"),
     "--warmup-lr": ("warmup_lr", float, "lr the warm-up starts from"),
     "--weight-decay": ("weight_decay", float, "AdamW weight decay"),
+    "--layer-decay": ("layer_decay", float, "layer-wise lr decay for fine-tuning (e.g. 0.75)"),
     "--warmup-epochs": ("warmup_epochs", float, "linear warm-up epochs"),
     "--drop-path": ("drop_path", float, "stochastic depth rate"),
     "--smoothing": ("label_smoothing", float, "label smoothing"),

@@ -98,6 +98,8 @@ class TrainConfig:
     warmup_epochs: float = 5.0  # linear warm-up length (fractions allowed)
     warmup_iters: int | None = None  # the warm-up in iterations instead (mmdet's warmup_iters)
     weight_decay: float = 0.05  # decoupled; none on position embeddings, norms, biases
+    # fine-tuning: layer-wise lr decay, each block's lr x layer_decay^(blocks above it) (None: off)
+    layer_decay: float | None = None
     clip_grad: float | None = 5.0  # gradient-norm clip (None: off)
     opt_betas: tuple[float, float] = (0.9, 0.999)  # AdamW / LAMB betas
     opt_eps: float = 1e-8  # AdamW / LAMB epsilon
@@ -673,6 +675,8 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
     if not 0 <= a <= b <= 1:
         fail("train_size_ramp", "must be two fractions of the run, 0 <= start <= end <= 1")
     unit("ema_decay", upper_open=True)
+    if cfg.layer_decay is not None and not 0 < cfg.layer_decay <= 1:
+        fail("layer_decay", "must be in (0, 1] (e.g. 0.65-0.75 to fine-tune a ViT), or null")
     if cfg.crop_pct > 1:
         fail("crop_pct", "must be in (0, 1]")
     if not all(0 <= b < 1 for b in cfg.opt_betas):

@@ -4,6 +4,7 @@ and the EMA of the weights."""
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from typing import Any
 
@@ -180,34 +181,73 @@ def build_optimizer(
 
 
 def param_groups(
-    model: nn.Module, weight_decay: float, offset_lr_factor: float = 1.0
+    model: nn.Module,
+    weight_decay: float,
+    offset_lr_factor: float = 1.0,
+    layer_decay: float | None = None,
 ) -> list[dict[str, Any]]:
     """Weight decay on weights only: not on position embeddings, norms or biases (DeiT).
 
     Sampling-offset weights (``*offset_conv.weight``, LIT's deformable token merging) train at
     ``offset_lr_factor`` x the learning rate, with weight decay, as the LIT authors' code does;
     their biases stay at the full rate without decay. ``lr_scale`` carries the factor.
+    ``layer_decay`` (fine-tuning, BEiT's and timm's ``--layer-decay``): each layer's rate
+    scaled by ``layer_decay ** (last - layer)`` on top, layers from :func:`layer_ids`.
     """
     skip = set(getattr(model, "no_weight_decay", set)())
-    decay, no_decay, offsets = [], [], []
+    layers = layer_ids(model) if layer_decay is not None else {}
+    last = max(layers.values(), default=0)
+    groups: dict[tuple[int, str], dict[str, Any]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         if name.endswith("offset_conv.weight"):
-            offsets.append(p)
+            kind, decay, scale = "offset", weight_decay, offset_lr_factor
         elif p.ndim <= 1 or name in skip:
-            no_decay.append(p)
+            kind, decay, scale = "no_decay", 0.0, 1.0
         else:
-            decay.append(p)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay, "lr_scale": 1.0},
-        {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
-    ]
-    if offsets:
-        groups.append(
-            {"params": offsets, "weight_decay": weight_decay, "lr_scale": offset_lr_factor}
+            kind, decay, scale = "decay", weight_decay, 1.0
+        layer = layers.get(name, last)
+        if layer_decay is not None:
+            scale *= layer_decay ** (last - layer)
+        group = groups.setdefault(
+            (layer, kind), {"params": [], "weight_decay": decay, "lr_scale": scale}
         )
-    return groups
+        group["params"].append(p)
+    if layer_decay is None:  # the two plain groups even when one is empty (as always)
+        for kind, decay in (("decay", weight_decay), ("no_decay", 0.0)):
+            groups.setdefault((last, kind), {"params": [], "weight_decay": decay, "lr_scale": 1.0})
+    order = {"decay": 0, "no_decay": 1, "offset": 2}
+    return [groups[k] for k in sorted(groups, key=lambda k: (k[0], order[k[1]]))]
+
+
+def layer_ids(model: nn.Module) -> dict[str, int]:
+    """Each parameter's layer for layer-wise decay, from the model's ``group_matcher()`` as
+    timm numbers them: the stem 0, then each block (or stage part) in order, the final norm
+    with the last block, and what no pattern matches (the head) after all of them."""
+    matcher = model.group_matcher(coarse=False)
+    compiled = []
+    for ordinal, spec in enumerate(matcher.values()):
+        for pattern, suffix in spec if isinstance(spec, (list, tuple)) else [(spec, None)]:
+            compiled.append((re.compile(pattern), ordinal, suffix))
+
+    def key(name: str) -> tuple[float, ...]:
+        for pattern, ordinal, suffix in compiled:
+            m = pattern.match(name)
+            if m:
+                return tuple(float(v) for v in (ordinal, *m.groups(), *(suffix or ())))
+        return (math.inf,)
+
+    keys = {name: key(name) for name, _ in model.named_parameters()}
+    ids, lid = {}, -1
+    for k in sorted(set(keys.values())):
+        if lid < 0 or k[-1] != _WITH_PREVIOUS:
+            lid += 1
+        ids[k] = lid
+    return {name: ids[k] for name, k in keys.items()}
+
+
+_WITH_PREVIOUS = 99999  # a group_matcher suffix: joins the previous layer (timm's final norm)
 
 
 class ModelEma:

@@ -194,7 +194,7 @@ class ClassificationTask:
         return Prepared(model, train_loader, test_loader, meta, description, notes)
 
     def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
-        return param_groups(model, cfg.weight_decay, cfg.offset_lr_factor)
+        return param_groups(model, cfg.weight_decay, cfg.offset_lr_factor, cfg.layer_decay)
 
     def loss(
         self, model: nn.Module, batch: Any, epoch: int, d: Dist, amp: torch.dtype | None
