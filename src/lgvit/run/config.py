@@ -35,6 +35,7 @@ from lgvit.data.datasets import DATASETS, SOURCES
 from lgvit.data.recipe import DEIT_RECIPE as _R
 from lgvit.data.recipe import RE_MODES, TRAIN_CROPS
 from lgvit.data.segmentation import SEG_DATASETS, SEG_SCALE
+from lgvit.run.loggers import LOGGERS
 from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES, TASKS, TTA_MODES, get_task
 
 __all__ = [
@@ -165,6 +166,9 @@ class TrainConfig:
     save_every_min: float | None = None  # ... or every N minutes of training
     max_nonfinite: int = 0  # non-finite losses skipped (step not taken) before stopping
     log_every: int = 50  # a progress line every N steps (off a terminal; train.log always)
+    log_to: tuple[str, ...] = ()  # [tensorboard, wandb]: the run's curves there too (rank 0)
+    wandb_project: str | None = None  # log_to wandb: the W&B project (None: lgvit)
+    keep_best: int = 0  # also keep the N best epochs' weights in <out>/kept (lgvit average)
     time_limit_min: float | None = None  # stop cleanly after this many minutes of training
 
 
@@ -649,6 +653,10 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
     for key in ("eval_every", "save_every", "log_every"):
         at_least(key, 1)
     at_least("save_every_steps", 0)
+    at_least("keep_best", 0)
+    bad = [name for name in cfg.log_to if name not in LOGGERS]
+    if bad or len(set(cfg.log_to)) != len(cfg.log_to):
+        fail("log_to", f"must be a list of distinct names from {', '.join(LOGGERS)}")
     positive("save_every_min", optional=True)
     positive("decay_epochs")
     unit("decay_rate")

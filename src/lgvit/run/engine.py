@@ -48,6 +48,8 @@ from lgvit.core.runtime import (
 from lgvit.data.protocol import Loader, TrainLoader, check_loaders
 from lgvit.inference import initial_weights_file
 from lgvit.run.config import TrainConfig, config_from_dict, config_to_dict, save_config, scaled_lr
+from lgvit.run.kept import keep_epoch
+from lgvit.run.loggers import RunLoggers, check_loggers, epoch_scalars
 from lgvit.run.nonfinite import NonFiniteGuard
 from lgvit.run.nonfinite import NonFiniteLoss as NonFiniteLoss  # where callers import it
 from lgvit.run.optim import (
@@ -249,6 +251,8 @@ def _report_step(
     nonfinite.check(f"by epoch {epoch + 1} step {i + 1}")
     run_eta = run.clock.eta(step)
     eta = f", run ETA {format_duration(run_eta)}" if run_eta is not None else ""
+    run.loggers.scalars(step, {"train/step_loss": loss.item(), "train/lr": lr,
+                               "train/img_per_s": progress.img_per_s})  # fmt: skip
     run.log(
         f"epoch {epoch + 1} step {i + 1}/{len(loader)} loss {loss.item():.4f} lr {lr:.3g}, "
         f"{progress.img_per_s:.0f} img/s, epoch ETA {format_duration(progress.eta())}{eta}",
@@ -274,6 +278,7 @@ class Run:
     opt: Optimisation
     net: nn.Module
     clock: RunClock
+    loggers: RunLoggers = field(default_factory=lambda: RunLoggers((), Path(), False, {}, ""))
     history: list[dict[str, Any]] = field(default_factory=list)
     best: float | None = None
     last_metrics: dict[str, Any] = field(default_factory=dict)
@@ -478,6 +483,8 @@ def _start(
     ctl.cfg = cfg
     set_numerics(d.device, cfg.tf32, cfg.deterministic)  # before the run's first matmul
     if d.main:
+        check_loggers(cfg.log_to)  # a missing package: refused before anything is written
+    if d.main:
         if lock.note:
             log(f"{out}: {lock.note}", console=True)
         stale = remove_stale_temps(out)
@@ -519,6 +526,11 @@ def _start(
     clock_start = state["global_step"] if state is not None else 0
     clock = RunClock(total_steps(cfg, spe), clock_start, spe, task.epoch_cost)
     run = Run(cfg, task, d, out, log, ctl, prepared, amp, opt, net, clock)
+    run.loggers = RunLoggers(
+        cfg.log_to, out, d.main, config_to_dict(cfg), (out / "config.yaml").read_text()
+        if d.main else "", state["global_step"] if state is not None else None,
+        cfg.wandb_project,
+    )  # fmt: skip
     pos = _restore(run, state, stem) if state is not None else _Position()
     return run, pos
 
@@ -576,7 +588,7 @@ def _epoch(run: Run, epoch: int, pos: _Position, t_start: float) -> bool:
         run.save(epoch, pos.step, False, pending=metrics)
     is_best, tested = _evaluate(run, metrics) if evaluated else (False, "")
     metrics["epoch_time_s"] = round(time.time() - t0, 3)
-    _record(run, metrics)
+    _record(run, metrics, pos.step)
     timed_out = bool(cfg.time_limit_min and (time.time() - t_start) / 60 > cfg.time_limit_min)
     if saving or timed_out or is_best:
         run.save(epoch, pos.step, is_best)
@@ -595,11 +607,22 @@ def _epoch(run: Run, epoch: int, pos: _Position, t_start: float) -> bool:
     return timed_out
 
 
-def _record(run: Run, metrics: dict[str, Any]) -> None:
+def _record(run: Run, metrics: dict[str, Any], step: int) -> None:
+    """An epoch's row: ``metrics.jsonl`` (the record), the loggers, and with ``keep_best`` the
+    weights of an evaluated epoch among the best (``<out>/kept``, what ``lgvit average``
+    reads)."""
     run.history.append(metrics)
-    if run.d.main:
-        with open(run.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+    if not run.d.main:
+        return
+    with open(run.out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    run.loggers.scalars(step, epoch_scalars(metrics))
+    score = metrics.get(f"test_{run.task.best_metric}")
+    if run.cfg.keep_best and score is not None:
+        ema = state_dict_to_cpu(run.opt.ema.shadow) if run.opt.ema is not None else None
+        weights = state_dict_to_cpu(run.model.state_dict())
+        meta = run.prepared.metadata
+        keep_epoch(run.out, run.cfg.keep_best, metrics["epoch"], score, weights, ema, meta)
 
 
 def _evaluate_pending(run: Run, pos: _Position) -> None:
@@ -608,7 +631,7 @@ def _evaluate_pending(run: Run, pos: _Position) -> None:
     t0, metrics, epoch = time.time(), dict(pos.pending or {}), pos.epoch - 1
     is_best, tested = _evaluate(run, metrics)
     metrics["epoch_time_s"] = round(time.time() - t0, 3)  # the evaluation's time alone
-    _record(run, metrics)
+    _record(run, metrics, pos.step)
     run.save(epoch, pos.step, is_best)
     run.log(f"epoch {epoch + 1}/{run.epochs}, evaluated on resuming: {tested}")
     run.last_metrics = metrics  # the run's result when that epoch was its last
@@ -619,14 +642,18 @@ def _run(
     ctl: RunControl, resumed: Resumed | None,
 ) -> dict[str, Any]:  # fmt: skip
     run, pos = _start(cfg, task, explicit, d, out, lock, ctl, resumed)
-    if pos.pending is not None:
-        _evaluate_pending(run, pos)
-    t_start = time.time()
-    if pos.epoch >= run.epochs:  # resuming a finished run: say so
-        run.log(f"{out}: the run is finished (epoch {pos.epoch} of {run.epochs}); nothing to do")
-    for epoch in range(pos.epoch, run.epochs):
-        if _epoch(run, epoch, pos, t_start):
-            break
+    try:
+        if pos.pending is not None:
+            _evaluate_pending(run, pos)
+        t_start = time.time()
+        if pos.epoch >= run.epochs:  # resuming a finished run: say so
+            run.log(f"{out}: the run is finished (epoch {pos.epoch} of {run.epochs}); "
+                    "nothing to do")  # fmt: skip
+        for epoch in range(pos.epoch, run.epochs):
+            if _epoch(run, epoch, pos, t_start):
+                break
+    finally:
+        run.loggers.close()
     barrier(d)
     if d.world_size > 1:
         dist.destroy_process_group()
