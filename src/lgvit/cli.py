@@ -103,6 +103,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     opts = BenchOptions(
         device=args.device, amp=args.amp, batch_size=args.batch_size, img_size=args.img_size,
         train=args.train, compile=args.compile, rounds=args.rounds, memory=not args.no_memory,
+        channels_last=args.channels_last,
     )  # fmt: skip
     progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.quiet else None
     result = run_bench(args.names, opts, log=progress or (lambda msg: None))
@@ -139,6 +140,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "out": args.out, "resume": args.resume, "amp": args.amp,
         "compile": True if args.compile else None, "seed": args.seed,
+        "channels_last": True if args.channels_last else None,
         "ema": True if args.model_ema else None,
     }  # fmt: skip
     sets = list(args.set or [])
@@ -336,6 +338,8 @@ def _add_bench(sub: Any) -> None:
         help="also time a training step (forward, backward, AdamW) and its memory",
     )
     p.add_argument("--compile", action="store_true", help="torch.compile every model")
+    p.add_argument("--channels-last", action="store_true",
+                   help="models and inputs in the NHWC memory format (timm's flag)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=BenchOptions.rounds,
                    help="alternating timed rounds (median)")  # fmt: skip
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
@@ -418,6 +422,8 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--amp", choices=AMP_MODES, nargs="?", const="auto",
                    help="mixed precision (a bare --amp, timm's flag, means auto)")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--channels-last", action="store_true",
+                   help="model and batches in the NHWC memory format (timm's flag)")  # fmt: skip
     p.add_argument("--seed", type=int)
     p.add_argument("--model-ema", action="store_true", help="keep an EMA of the weights")
     for flag, (_, kind, text) in TIMM_FLAGS.items():

@@ -150,6 +150,7 @@ class TrainConfig:
     device: str = "auto"  # auto (CUDA when there is one) | cpu | cuda
     amp: str = "auto"  # auto | bf16 | fp16 | none: mixed precision (auto: bf16 where supported)
     compile: bool = False  # torch.compile the model
+    channels_last: bool = False  # model and batches in NHWC (measure first: lgvit bench)
     tf32: bool = True  # CUDA: fp32 matmuls and convolutions in TF32 (timm's choice); false: IEEE
     # deterministic CUDA kernels (cuBLAS workspace, no cuDNN autotuning): exact reruns, slower
     deterministic: bool = False

@@ -506,6 +506,8 @@ def _start(
         load = getattr(task, "load_initial", None) or load_initial_weights
         start_note = load(model, initial_weights_file(cfg.initial_checkpoint, cfg.model))
     model.to(d.device)
+    if cfg.channels_last:  # the convolutions' weights in NHWC (the task converts its batches)
+        model.to(memory_format=torch.channels_last)
     amp = resolve_amp(cfg.amp, d.device)
     if d.main:  # written once the run is known to start: a refused start changes nothing
         if stem is None:  # a fresh run: no stale lines from a run that never saved

@@ -64,6 +64,7 @@ class BenchOptions:
     img_size: int | None = None  # None: each model's default input size
     train: bool = False
     compile: bool = False
+    channels_last: bool = False  # models and inputs in NHWC (timm's --channels-last)
     rounds: int = 3
     warmup: int = 1
     memory: bool = True
@@ -92,10 +93,14 @@ def _input_size(name: str, img_size: int | None) -> tuple[int, int, int]:
     return cfg.input_size if img_size is None else (cfg.input_size[0], img_size, img_size)
 
 
-def build_model(name: str, img_size: int | None, device: torch.device | str) -> nn.Module:
-    """The model at ``img_size`` (its default when None), on ``device``."""
+def build_model(
+    name: str, img_size: int | None, device: torch.device | str, channels_last: bool = False
+) -> nn.Module:
+    """The model at ``img_size`` (its default when None), on ``device`` (its 4-D weights in
+    NHWC with ``channels_last``)."""
     kwargs = {} if img_size is None else {"img_size": img_size}
-    return create_model(name, **kwargs).to(device)
+    model = create_model(name, **kwargs).to(device)
+    return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
 # ----------------------------------------------------------------------------- paper columns
@@ -130,7 +135,7 @@ def paper_columns(name: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ memory probe
 
 
-def _probe(name, img_size, batch, train, amp, compile_, threads) -> float:  # noqa: ANN001
+def _probe(name, img_size, batch, train, amp, compile_, threads, nhwc) -> float:  # noqa: ANN001
     import gc
 
     from lgvit.core.runtime import tune_cpu_allocator
@@ -138,10 +143,10 @@ def _probe(name, img_size, batch, train, amp, compile_, threads) -> float:  # no
     torch.set_num_threads(threads)
     tune_cpu_allocator()  # the allocator lgvit's commands run with
     torch.manual_seed(0)
-    model = build_model(name, img_size, "cpu")
+    model = build_model(name, img_size, "cpu", nhwc)
     if compile_:
         model = torch.compile(model)
-    step = make_step(model, _input_size(name, img_size), batch, train, amp)
+    step = make_step(model, _input_size(name, img_size), batch, train, amp, channels_last=nhwc)
     gc.collect()
     base = rss_mb()
     reset_peak_rss()
@@ -159,13 +164,14 @@ def cpu_peak_memory_mb(
     compile_: bool = False,
     threads: int | None = None,
     timeout_s: float = 1800,
+    channels_last: bool = False,
 ) -> float:
     """Peak RSS (MB) of two steps of ``name`` over its idle process, in a fresh child process.
 
     Raises ``RuntimeError`` with the reason when the child fails or dies (e.g. out of memory).
     """
     threads = threads or torch.get_num_threads()
-    args = (name, img_size, batch, train, amp, compile_, threads)
+    args = (name, img_size, batch, train, amp, compile_, threads, channels_last)
     return float(run_in_fresh_process(_probe, args, timeout_s))
 
 
@@ -282,12 +288,13 @@ def _build_and_warm_up(
     row["macs_g"] = count_macs(meta, input_size) / 1e9
     del meta
     torch.manual_seed(0)
-    model = build_model(name, opts.img_size, device)
+    model = build_model(name, opts.img_size, device, opts.channels_last)
     run = torch.compile(model) if opts.compile else model
     steps = {
-        k: make_step(run, input_size, opts.batch_size, k == "train", amp, device=device)
+        k: make_step(run, input_size, opts.batch_size, k == "train", amp, device=device,
+                     channels_last=opts.channels_last)
         for k in kinds
-    }
+    }  # fmt: skip
     calls = {}
     for kind, step in steps.items():
         # With --compile the first call compiles (and its backward, training).
@@ -338,7 +345,13 @@ def _measure_memory(
                 row[key] = cuda_peak_memory_mb(m.steps[kind], device)
             else:
                 row[key] = cpu_peak_memory_mb(
-                    m.name, opts.batch_size, kind == "train", opts.img_size, amp, opts.compile
+                    m.name,
+                    opts.batch_size,
+                    kind == "train",
+                    opts.img_size,
+                    amp,
+                    opts.compile,
+                    channels_last=opts.channels_last,
                 )
         except Exception as e:  # noqa: BLE001
             row["error"] = f"memory: {_one_line(e)}"

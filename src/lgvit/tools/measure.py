@@ -187,16 +187,20 @@ def make_step(
     amp_dtype: torch.dtype | None = None,
     fused: bool = True,
     device: torch.device | str = "cpu",
+    channels_last: bool = False,
 ) -> Callable[[], None]:
     """One inference batch (``inference_mode``) or one training step (forward, cross-entropy,
     backward, optimizer step), on random data of the model's input size, under autocast to
     ``amp_dtype`` on ``device`` when given. ``fused``: the optimizer training builds
     (:func:`train_optimizer`: fused AdamW); False: the multi-tensor AdamW of a plain script.
+    ``channels_last``: the input batch in that memory format (for a model converted to it).
 
     The model's mode is set on every call, so one model can serve both kinds of step.
     """
     device = torch.device(device)
     x = torch.randn(batch, *input_size, device=device)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
     if not train:
 

@@ -39,6 +39,8 @@ EVAL_FLAGS = (
          help="evaluate even if the checkpoint's class names differ from the data's"),
     Flag("--compile", action="store_true", help="torch.compile the model (the first batch "
          "compiles it; outputs as eager's)"),
+    Flag("--channels-last", action="store_true",
+         help="the model in the NHWC memory format (timm's flag)"),
 )  # fmt: skip
 PREDICT_FLAGS = (
     Flag("--img-size", type=int, help="default: the size it was trained at"),
@@ -58,6 +60,8 @@ def run_eval(args: argparse.Namespace) -> int:
         from lgvit.core.atomic import check_writable
 
         check_writable(args.predictions, "--predictions")
+    import torch
+
     from lgvit.core.runtime import Dist, precision_name, resolve_amp
     from lgvit.data.datasets import ImageSet, load_test_split
     from lgvit.data.loader import AugmentConfig
@@ -73,6 +77,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
     real = RealLabels(args.real_labels) if args.real_labels else None  # bad file: fail first
     model = load_model(args.checkpoint, args.device, args.model, args.img_size)
+    if args.channels_last:  # convolutions then run NHWC whatever the batch's layout
+        model = model.to(memory_format=torch.channels_last)
     run = _compiled(model) if args.compile else model
     device = next(model.parameters()).device
     pre = resolve_preprocessing(model, crop_pct=args.crop_pct, interpolation=args.interpolation,

@@ -202,6 +202,8 @@ class ClassificationTask:
         """Soft-target cross-entropy (mixup/cutmix/label smoothing) or plain; progressive
         resizing downscales the augmented batch (bilinear, antialiased) to this epoch's size."""
         x, y = (t.to(d.device, non_blocking=True) for t in batch)
+        if self.cfg.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         size = train_size_at(epoch, self.cfg, x.shape[-1])
         if size != x.shape[-1]:
             x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True)
