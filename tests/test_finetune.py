@@ -68,3 +68,21 @@ def test_a_released_name_of_another_model_is_one_line(cache, tmp_path):
         "lgvit train: error: lit_ti.in1k_authors are the weights of lit_ti, but --model "
         "lsa_micro_cifar was given"
     )
+
+
+def test_the_shipped_fine_tuning_config_starts_from_the_released_weights(cache, tmp_path):
+    """``--config cifar10_lit_ti_finetune`` (on small synthetic data here): the released
+    weights by name, the head reset, layer-wise decay in the optimizer's groups."""
+    folder, file = cache
+    out = tmp_path / "ft"
+    p = subprocess.run(
+        [sys.executable, "-m", "lgvit", "train", "--config", "cifar10_lit_ti_finetune",
+         "--data", "synthetic", "--img-size", "32", "--iters", "1", "--batch-size", "8",
+         "--amp", "none", "--out", str(out)],
+        capture_output=True, text=True, env={**ENV, ENV_DIR: str(folder)}, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"started from the weights of {file} (its head for another class" in p.stdout
+    state = torch.load(out / "last.state.pt", weights_only=True)["train_state"]
+    scales = {round(g["lr_scale"], 9) for g in state["optimizer"]["param_groups"]}
+    assert min(scales) < 0.01 and max(scales) == 1.0  # 0.65 ** (layers above), down the model
