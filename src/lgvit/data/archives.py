@@ -20,6 +20,7 @@ from lgvit.core.errors import LgvitError
 __all__ = [
     "ARCHIVE_SUFFIXES",
     "archive_stem",
+    "default_cache_dir",
     "download_checked",
     "extract_cached",
     "file_md5",
@@ -28,6 +29,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> Path:
+    """``$LGVIT_CACHE`` if set, else ``~/.cache/lgvit``."""
+    return Path(os.environ.get("LGVIT_CACHE") or Path.home() / ".cache" / "lgvit").expanduser()
+
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
 

@@ -25,7 +25,6 @@ into the cache), their images decoded and cropped by DataLoader workers like a s
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from lgvit.core.constants import (
     IMAGENET_STD,
 )
 from lgvit.core.errors import LgvitError
-from lgvit.data.archives import safe_extract
+from lgvit.data.archives import default_cache_dir, safe_extract
 from lgvit.data.builtin import DIGITS_TEST, load_digits, load_synthetic
 from lgvit.data.cifar import CIFAR10_CLASSES, CIFAR_SPECS, load_cifar, safe_unpickle
 from lgvit.data.decode import read_image_rgb
@@ -81,11 +80,6 @@ STREAM_ABOVE_BYTES = 4 * 2**30  # an imagefolder whose decoded cache would excee
 def dataset_names() -> list[str]:
     """Names accepted by :func:`load_dataset`."""
     return list(DATASETS)
-
-
-def default_cache_dir() -> Path:
-    """``$LGVIT_CACHE`` if set, else ``~/.cache/lgvit``."""
-    return Path(os.environ.get("LGVIT_CACHE") or Path.home() / ".cache" / "lgvit").expanduser()
 
 
 def load_dataset(

@@ -152,13 +152,14 @@ class BatchRecipe:
     the augmentation stream (exact mid-epoch resume) and the batched recipe run on a batch.
 
     ``num_images`` images with ``labels`` (moved to ``labels_device``: where the images are
-    indexed); the other arguments are :class:`BatchLoader`'s.
+    indexed; None for shards, whose batches bring their labels, checked as they are read); the
+    other arguments are :class:`BatchLoader`'s.
     """
 
     def __init__(
         self,
         num_images: int,
-        labels: torch.Tensor,
+        labels: torch.Tensor | None,
         batch_size: int,
         *,
         num_classes: int,
@@ -175,8 +176,9 @@ class BatchRecipe:
     ) -> None:
         if with_index and train:
             raise LgvitError("with_index is for evaluation (train=False)")
-        labels = torch.as_tensor(labels)
-        if labels.shape != (num_images,):
+        self.num_images, given = num_images, labels is not None
+        labels = torch.as_tensor(labels) if given else torch.zeros(0, dtype=torch.long)
+        if given and labels.shape != (num_images,):
             raise LgvitError(f"labels must have shape ({num_images},), got {tuple(labels.shape)}")
         if labels.is_floating_point() or labels.is_complex():
             raise LgvitError(f"labels must be integers, got {labels.dtype}")
@@ -268,7 +270,7 @@ class BatchRecipe:
     @property
     def dataset_size(self) -> int:
         """Number of images in the whole dataset (all ranks)."""
-        return self.labels.shape[0]
+        return self.num_images
 
     def indices(self) -> torch.Tensor:
         """Dataset indices this rank visits in the current epoch, in order (before batching)."""

@@ -94,7 +94,7 @@ def dataset_root(
 ) -> Path:
     """The folder holding ``marker/``: ``data_dir`` itself, a ``.tar.gz`` of it (extracted
     once into the cache), or a lone wrapper folder in either, looked through."""
-    from lgvit.data.datasets import default_cache_dir
+    from lgvit.data.archives import default_cache_dir
     from lgvit.data.imagefolder import _folder_or_archive
 
     root = _folder_or_archive(Path(data_dir), Path(cache_dir or default_cache_dir()))
