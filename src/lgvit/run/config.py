@@ -600,6 +600,20 @@ def _validate_task(cfg: TrainConfig, fail: Any) -> None:
         fail("seg_ratio_range", "must be two ratios, 0 < low <= high")
 
 
+def _validate_sources_and_run(cfg: TrainConfig, fail: Any) -> None:
+    """The data source's keys, the loggers and the fine-tuning decay."""
+    if cfg.data in (*SOURCES, "imagefolder") and not cfg.data_dir:
+        fail("data_dir", f"data={cfg.data} needs data_dir")
+    for key in ("input_key", "target_key", "train_split", "val_split"):
+        if getattr(cfg, key) is not None and cfg.data not in SOURCES:
+            fail(key, f"applies to data={' or '.join(SOURCES)}, not {cfg.data}")
+    bad = [name for name in cfg.log_to if name not in LOGGERS]
+    if bad or len(set(cfg.log_to)) != len(cfg.log_to):
+        fail("log_to", f"must be a list of distinct names from {', '.join(LOGGERS)}")
+    if cfg.layer_decay is not None and not 0 < cfg.layer_decay <= 1:
+        fail("layer_decay", "must be in (0, 1] (e.g. 0.65-0.75 to fine-tune a ViT), or null")
+
+
 def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) -> None:
     """Raise LgvitError naming the first key whose value is out of range."""
     sources = sources or {}
@@ -655,9 +669,6 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
         at_least(key, 1)
     at_least("save_every_steps", 0)
     at_least("keep_best", 0)
-    bad = [name for name in cfg.log_to if name not in LOGGERS]
-    if bad or len(set(cfg.log_to)) != len(cfg.log_to):
-        fail("log_to", f"must be a list of distinct names from {', '.join(LOGGERS)}")
     positive("save_every_min", optional=True)
     positive("decay_epochs")
     unit("decay_rate")
@@ -684,14 +695,8 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
     if not 0 <= a <= b <= 1:
         fail("train_size_ramp", "must be two fractions of the run, 0 <= start <= end <= 1")
     unit("ema_decay", upper_open=True)
-    if cfg.layer_decay is not None and not 0 < cfg.layer_decay <= 1:
-        fail("layer_decay", "must be in (0, 1] (e.g. 0.65-0.75 to fine-tune a ViT), or null")
     if cfg.crop_pct > 1:
         fail("crop_pct", "must be in (0, 1]")
     if not all(0 <= b < 1 for b in cfg.opt_betas):
         fail("opt_betas", "both betas must be in [0, 1)")
-    if cfg.data in (*SOURCES, "imagefolder") and not cfg.data_dir:
-        fail("data_dir", f"data={cfg.data} needs data_dir")
-    for key in ("input_key", "target_key", "train_split", "val_split"):
-        if getattr(cfg, key) is not None and cfg.data not in SOURCES:
-            fail(key, f"applies to data={' or '.join(SOURCES)}, not {cfg.data}")
+    _validate_sources_and_run(cfg, fail)
