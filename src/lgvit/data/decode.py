@@ -92,14 +92,15 @@ def pil_resize_center_crop(img: Image.Image, size: int) -> Image.Image:
     return img.crop((left, top, left + size, top + size))
 
 
-def _open(path: str) -> Image.Image:
-    """``Image.open``, with Pillow's decompression-bomb warning and error (more than
-    ``Image.MAX_IMAGE_PIXELS`` pixels: a 20000x20000 PNG) raised as :class:`_Refused`."""
+def _open(path: str | bytes) -> Image.Image:
+    """``Image.open`` of a file or of an encoded image's bytes, with Pillow's decompression-bomb
+    warning and error (more than ``Image.MAX_IMAGE_PIXELS`` pixels: a 20000x20000 PNG) raised
+    as :class:`_Refused`."""
     with warnings.catch_warnings():
         # The warning band (1-2x the limit) would decode gigabytes and print a warning per file.
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
-            return Image.open(path)
+            return Image.open(io.BytesIO(path) if isinstance(path, bytes) else path)
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             found = re.search(r"(\d+) pixels", str(e))
             pixels = f"{int(found.group(1)):,} pixels, " if found else ""
@@ -127,7 +128,7 @@ def _upright_size(img: Image.Image, orientation: int) -> tuple[int, int]:
 
 
 def _load(
-    path: str, expect: tuple[int, int] | None, draft: int | None, upright: bool = True
+    path: str | bytes, expect: tuple[int, int] | None, draft: int | None, upright: bool = True
 ) -> Image.Image | None:
     """One file as an upright RGB image (``upright=False``: as stored, its EXIF orientation
     ignored); None when ``expect`` (W, H) is given and the image has another size. Raises
@@ -145,10 +146,10 @@ def _load(
         return to_rgb(img)
 
 
-def load_rgb(path: str, upright: bool = True) -> Image.Image:
-    """One image file as an upright RGB PIL image (EXIF orientation applied; ``upright=False``:
-    as stored). Raises on a file that is unreadable, too large or too thin (the streaming
-    loader counts those as bad)."""
+def load_rgb(path: str | bytes, upright: bool = True) -> Image.Image:
+    """One image file (or an encoded image's bytes: a dataset's image column) as an upright RGB
+    PIL image (EXIF orientation applied; ``upright=False``: as stored). Raises on a file that is
+    unreadable, too large or too thin (the streaming loader counts those as bad)."""
     img = _load(path, None, None, upright)
     assert img is not None  # only a size expectation returns None
     return img

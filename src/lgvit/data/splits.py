@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
+from PIL import Image
 
-__all__ = ["DatasetSplits", "FileImageSet", "ImageSet"]
+from lgvit.data.decode import load_rgb
+
+__all__ = ["DatasetSplits", "FileImageSet", "ImageSet", "SampleSet"]
 
 
 @dataclass
@@ -34,6 +38,26 @@ class ImageSet:
         return int(self.labels.shape[0])
 
 
+@runtime_checkable
+class SampleSet(Protocol):
+    """A split read sample by sample while iterating (image files, a Hugging Face dataset's
+    rows): what :class:`lgvit.data.stream.StreamingLoader` reads."""
+
+    labels: torch.Tensor  # int64 (N,)
+    classes: list[str]
+
+    def __len__(self) -> int: ...
+
+    def open(self, i: int) -> Image.Image:
+        """Sample ``i`` as an upright RGB image; raises when it is unreadable (the loader
+        counts it as bad)."""
+        ...
+
+    def name(self, i: int) -> str:
+        """Sample ``i``'s name in results and in messages."""
+        ...
+
+
 @dataclass
 class FileImageSet:
     """A split read from its image files while iterating (too large to decode once)."""
@@ -49,13 +73,17 @@ class FileImageSet:
         """Image ``i``'s name in results (every split read sample by sample has one)."""
         return self.paths[i]
 
+    def open(self, i: int) -> Image.Image:
+        """Image ``i`` upright (EXIF orientation); too large or too thin images refused."""
+        return load_rgb(self.paths[i])
+
 
 @dataclass
 class DatasetSplits:
     """Train and test splits plus the per-dataset normalisation (in ``[0, 1]`` units)."""
 
-    train: ImageSet | FileImageSet
-    test: ImageSet | FileImageSet
+    train: ImageSet | SampleSet  # or a source's own split (lgvit.data.wds.ShardSet)
+    test: ImageSet | SampleSet
     name: str
     mean: tuple[float, float, float]
     std: tuple[float, float, float]

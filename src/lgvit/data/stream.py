@@ -15,7 +15,7 @@ import dataclasses
 import math
 import random
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,10 +24,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from lgvit.core.errors import LgvitError
-from lgvit.data.decode import load_rgb
 from lgvit.data.loader import AugmentConfig, BatchLoader, BatchRecipe, _seed
 from lgvit.data.segmentation import own_generator
-from lgvit.data.splits import FileImageSet, ImageSet
+from lgvit.data.splits import FileImageSet, ImageSet, SampleSet
 from lgvit.data.transforms import resize_center_crop
 
 
@@ -57,11 +56,12 @@ def random_resized_box(
 
 
 class _DecodeBatches(Dataset):
-    """Item i: the files of batch i decoded to uint8 ``(B, 3, S, S)`` plus a readable mask."""
+    """Item i: the samples of batch i decoded to uint8 ``(B, 3, S, S)`` plus a readable mask.
+    ``samples``: a :class:`SampleSet`, or a list of image file paths."""
 
     def __init__(
         self,
-        paths: list[str],
+        samples: SampleSet | Sequence[str],
         batches: list[list[int]],
         size: int,
         train: bool,
@@ -72,7 +72,9 @@ class _DecodeBatches(Dataset):
         seed: int,
         first: int = 0,
     ) -> None:
-        self.paths, self.batches, self.size, self.train = paths, batches, size, train
+        if not isinstance(samples, SampleSet):  # file paths: read as a file list
+            samples = FileImageSet(list(samples), torch.zeros(len(samples), dtype=torch.int64), [])
+        self.samples, self.batches, self.size, self.train = samples, batches, size, train
         self.crop_pct, self.interpolation = crop_pct, interpolation
         self.scale, self.ratio, self.seed = scale, ratio, seed
         self.first = first  # index of batches[0] in the epoch (its crops' seed)
@@ -88,8 +90,8 @@ class _DecodeBatches(Dataset):
         ok = torch.zeros(len(self.batches[i]), dtype=torch.bool)
         for j, idx in enumerate(self.batches[i]):
             try:  # upright (EXIF orientation); too large or too thin images refused
-                rgb = load_rgb(self.paths[idx])
-            except Exception:  # unreadable file: masked out and counted by the loader
+                rgb = self.samples.open(idx)
+            except Exception:  # unreadable sample: masked out and counted by the loader
                 continue
             if self.train:
                 box = random_resized_box(*rgb.size, self.scale, self.ratio, rng)
@@ -111,16 +113,17 @@ def _kept(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 class StreamingLoader:
-    """Image files decoded and cropped by ``workers`` DataLoader processes, then the rest of
-    :class:`BatchLoader`'s recipe (:class:`BatchRecipe`: its sharding, seeding, batches and
-    augmentation stream) on the main process. Unreadable files are left out of their batch and
-    counted (``seen``, ``bad``, ``first_bad``); more than ``max_bad_fraction`` of the images
-    read so far (of at least 100) is one line. The engine's loader contract
+    """A :class:`SampleSet` (image files, a Hugging Face dataset's rows) decoded and cropped
+    by ``workers`` DataLoader processes, then the rest of :class:`BatchLoader`'s recipe
+    (:class:`BatchRecipe`: its sharding, seeding, batches and augmentation stream) on the main
+    process. Unreadable samples are left out of their batch and counted (``seen``, ``bad``,
+    ``first_bad``: its name); more than ``max_bad_fraction`` of the images read so far (of at
+    least 100) is one line. The engine's loader contract
     (:class:`lgvit.data.protocol.TrainLoader`)."""
 
     def __init__(
         self,
-        files: FileImageSet,
+        samples: SampleSet,
         batch_size: int,
         *,
         workers: int = 2,
@@ -132,8 +135,9 @@ class StreamingLoader:
         # then only flips, with no second crop.
         self.crop = aug if aug is not None else AugmentConfig()
         after_crop = dataclasses.replace(self.crop, train_crop="none")
-        self.recipe = BatchRecipe(len(files), files.labels, batch_size, aug=after_crop, **kwargs)
-        self.files = files
+        self.recipe = BatchRecipe(len(samples), samples.labels, batch_size, aug=after_crop,
+                                  **kwargs)  # fmt: skip
+        self.samples = samples
         self.labels = self.recipe.labels
         self.workers = workers
         self.max_bad_fraction = max_bad_fraction
@@ -156,7 +160,7 @@ class StreamingLoader:
         ``start``)."""
         r, a = self.recipe, self.crop
         ds = _DecodeBatches(
-            self.files.paths, batches, a.img_size, r.train, a.crop_pct, a.interpolation,
+            self.samples, batches, a.img_size, r.train, a.crop_pct, a.interpolation,
             a.rrc_scale, a.rrc_ratio, _seed(r.seed, r.epoch, r.rank, 2), first=start,
         )  # fmt: skip
         return DataLoader(
@@ -169,7 +173,7 @@ class StreamingLoader:
         bad_now = (~ok).nonzero().flatten().tolist()
         if bad_now:
             self.bad += len(bad_now)
-            self.first_bad = self.first_bad or self.files.paths[idx[bad_now[0]]]
+            self.first_bad = self.first_bad or self.samples.name(idx[bad_now[0]])
             if self.bad > self.max_bad_fraction * max(self.seen, 100):
                 raise LgvitError(
                     f"{self.bad} of the first {self.seen} images are unreadable (more than "
