@@ -33,14 +33,20 @@ CLASSES = ["cat", "dog", "emu"]
 N_TRAIN, N_VAL = 40, 12
 
 
+TURNED = 5  # this row's JPEG is stored sideways (32x24), upright by its EXIF (24x32)
+
+
 def _encoded(i: int) -> bytes:
     """Row i's image: noise, JPEG on even rows and PNG on odd ones, of two sizes."""
     rng = np.random.default_rng(i)
     size = (24, 32) if i % 3 else (32, 20)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(
-        buf, "JPEG" if i % 2 == 0 else "PNG"
-    )
+    img, buf = Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)), io.BytesIO()
+    if i == TURNED:
+        exif = Image.Exif()
+        exif[0x0112] = 6  # EXIF orientation: turned by 90 degrees
+        img.save(buf, "JPEG", exif=exif)
+    else:
+        img.save(buf, "JPEG" if i % 2 == 0 else "PNG")
     return buf.getvalue()
 
 
@@ -103,9 +109,29 @@ def test_the_rows_read_are_the_rows_written(forms, form):
             want = np.asarray(load_rgb(_encoded(start + i)))
             assert np.array_equal(np.asarray(split.open(i)), want), (form, split.split, i)
     assert sp.test.name(3) == "validation[3]"
+    # decoded by lgvit, not by datasets' PIL path: upright by EXIF, decompression bombs refused
+    with Image.open(io.BytesIO(_encoded(TURNED))) as stored:
+        assert stored.size == (32, 24) and sp.train.open(TURNED).size == (24, 32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+        with pytest.raises(Exception, match="decompression bomb"):
+            sp.train.open(0)
     # the workers get the split by pickle: the memory-mapped table travels as its file paths
     written = sum(len(_encoded(i)) for i in range(N_TRAIN))
     assert len(pickle.dumps(sp.train)) < written / 10
+
+
+def test_arrow_files_in_the_ipc_file_format_are_read_too(forms, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    for split in ("train", "validation"):
+        table = datasets.Dataset.from_file(str(next((forms["saved"] / split).glob("*.arrow"))))
+        with pa.ipc.new_file(str(tmp_path / f"{split}-00000-of-00001.arrow"),
+                             table.data.schema) as out:  # fmt: skip
+            out.write_table(table.data.table)
+    sp = splits_of(tmp_path)
+    assert (len(sp.train), len(sp.test), sp.test.classes) == (N_TRAIN, N_VAL, CLASSES)
+    want = np.asarray(load_rgb(_encoded(1000 + 7)))
+    assert np.array_equal(np.asarray(sp.test.open(7)), want)
 
 
 def test_classes_from_the_largest_label_without_a_class_label_feature(tmp_path):
