@@ -253,7 +253,7 @@ def _check_left_out(
         raise LgvitError(f"hfds {data_dir}: none of the {total} rows of split {split} has a "
                          f"usable label (--target-key), e.g. {example}")  # fmt: skip
     if max_bad_fraction is None:  # evaluation: no run log to report them in
-        warnings.warn(f"hfds {data_dir}: left out {what}, e.g. {left_out[0]}", stacklevel=4)
+        warnings.warn(f"hfds {data_dir}: {what}, left out, e.g. {example}", stacklevel=4)
 
 
 # ---------------------------------------------------------------------------- the front door
