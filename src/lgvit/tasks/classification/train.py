@@ -188,7 +188,8 @@ class ClassificationTask:
         notes = []
         if splits.skipped:
             notes.append(
-                f"skipped {len(splits.skipped)} unreadable images, e.g. {splits.skipped[:3]}"
+                f"skipped {len(splits.skipped)} unreadable or unlabelled samples, e.g. "
+                f"{splits.skipped[:3]}"
             )
         meta = checkpoint_metadata(cfg, self.img_size, splits)
         return Prepared(model, train_loader, test_loader, meta, description, notes)
