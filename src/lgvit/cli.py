@@ -221,6 +221,7 @@ TIMM_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--target-key": ("target_key", str, "wds/hfds: label key or column (cls, label)"),
     "--train-split": ("train_split", str, "wds/hfds: the split trained on (train)"),
     "--val-split": ("val_split", str, "wds/hfds: the split evaluated (validation)"),
+    "--grad-accum-steps": ("grad_accum_steps", int, "micro-batches per optimizer step"),
     "--log-interval": ("log_every", int, "steps between progress lines"),
     "--device": ("device", str, "auto | cpu | cuda"),
     "--initial-checkpoint": ("initial_checkpoint", str, "start from these weights (fine-tune)"),

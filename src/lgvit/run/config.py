@@ -50,6 +50,7 @@ __all__ = [
     "config_from_dict",
     "config_keys",
     "config_to_dict",
+    "global_batch",
     "load_config",
     "load_config_with_explicit",
     "resolve_config",
@@ -92,6 +93,7 @@ class TrainConfig:
     epochs: int = 300  # training epochs
     iters: int | None = None  # an iteration budget instead (the run's epochs follow from it)
     batch_size: int = 64  # per process
+    grad_accum_steps: int = 1  # micro-batches of batch_size per optimizer step (timm's flag)
     lr: float = 5e-4  # for a global batch of lr_base_batch; scaled linearly, see scaled_lr()
     lr_base_batch: int = 512  # the global batch lr is given for (DeiT: 512)
     min_lr: float = 1e-5  # where the schedule decays to
@@ -548,9 +550,14 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
     atomic_write_bytes(Path(path), text.encode("utf-8"))
 
 
+def global_batch(cfg: TrainConfig, world_size: int) -> int:
+    """The images of one optimizer step: per process, times processes, times accumulation."""
+    return cfg.batch_size * world_size * cfg.grad_accum_steps
+
+
 def scaled_lr(cfg: TrainConfig, world_size: int) -> float:
     """Peak learning rate for this run: ``lr * global_batch / lr_base_batch`` (DeiT's rule)."""
-    return cfg.lr * cfg.batch_size * world_size / cfg.lr_base_batch
+    return cfg.lr * global_batch(cfg, world_size) / cfg.lr_base_batch
 
 
 def _validate_sizes(cfg: TrainConfig, fail: Any) -> None:
@@ -663,7 +670,7 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
     choice("remode", RE_MODES)
     if not cfg.model:
         fail("model", "must name a model")
-    for key in ("epochs", "batch_size", "lr_base_batch", "repeated_aug"):
+    for key in ("epochs", "batch_size", "grad_accum_steps", "lr_base_batch", "repeated_aug"):
         at_least(key, 1)
     for key in ("eval_every", "save_every", "log_every"):
         at_least(key, 1)

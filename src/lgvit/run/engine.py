@@ -11,6 +11,7 @@ Read top to bottom: the task interface, what may interrupt an epoch, one epoch, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
@@ -57,6 +58,7 @@ from lgvit.run.optim import (
     build_optimizer,
     lr_at,
     run_epochs,
+    steps_per_epoch,
     total_steps,
     warmup_steps,
     warn_long_warmup,
@@ -69,6 +71,7 @@ from lgvit.run.rundir import (
     check_mid_epoch_batch,
     check_resume_keys,
     find_resume,
+    global_batch_text,
     remove_stale_temps,
     rescale_resume,
 )
@@ -158,18 +161,25 @@ class Optimisation:
             g["lr"] = lr * g.get("lr_scale", 1.0)
         return lr
 
+    def backward(self, loss: torch.Tensor, micro_batches: int = 1) -> None:
+        """Add a micro-batch's gradients: its mean loss / the window's micro-batches, so the
+        window's sum is the mean over its samples (each loss scaled under fp16's scaler)."""
+        loss = loss / micro_batches if micro_batches > 1 else loss
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
     def step(
-        self, model: nn.Module, loss: torch.Tensor, clip_grad: float | None,
+        self, model: nn.Module, loss: torch.Tensor | None, clip_grad: float | None,
         skip: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
-        """Backward and the optimizer step (the EMA follows the updated weights; ``skip``: a
-        device flag, set when the step is skipped on the device, which the EMA skips too)."""
+        """The optimizer step on the accumulated gradients (``loss``: its backward first, a
+        window of one), unscaled once and clipped; the EMA follows the updated weights
+        (``skip``: a device flag, set when the step is skipped on the device, which the EMA
+        skips too)."""
         scaler = self.scaler
+        if loss is not None:
+            self.backward(loss)
         if scaler is not None:
-            scaler.scale(loss).backward()
             scaler.unscale_(self.optimizer)
-        else:
-            loss.backward()
         if clip_grad:
             nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
         if scaler is not None:
@@ -181,11 +191,19 @@ class Optimisation:
             self.ema.update(unwrap(model), skip)
 
 
+def _sync(net: nn.Module, last: bool) -> Any:
+    """DDP all-reduces the gradients in the backward of a window's last micro-batch only (the
+    forward must be inside ``no_sync`` too)."""
+    ddp = getattr(net, "_orig_mod", net)  # torch.compile
+    return contextlib.nullcontext() if last or not hasattr(ddp, "no_sync") else ddp.no_sync()
+
+
 def train_one_epoch(
     run: Run, epoch: int, step: int, start: EpochProgress | None = None
 ) -> tuple[float, int, int]:
-    """One pass over the training split (from ``start.batch`` when resuming mid-epoch);
-    returns (mean loss, images seen, global step).
+    """One pass over the training split (from ``start.batch`` when resuming mid-epoch, always
+    a window's start); returns (mean loss, images seen, global step). A step is an optimizer
+    step: ``grad_accum_steps`` micro-batches (batches of the loader) each.
 
     Progress: a bar on a terminal (rank 0), else a plain line every ``cfg.log_every`` steps
     (lines go to ``train.log`` either way). After each step the run may save a mid-epoch
@@ -203,30 +221,41 @@ def train_one_epoch(
     nonfinite = NonFiniteGuard(run.opt.optimizer, run.opt.scaler, cfg, d.device, d.world_size > 1)
     bar = d.main and on_terminal()
     budget = run.opt.schedule["total_steps"]  # an iteration budget may end inside the epoch
-    progress = StepProgress(min(len(loader) - start.batch, budget - step),
+    accum, spe = cfg.grad_accum_steps, run.steps_per_epoch
+    progress = StepProgress(min(spe - start.batch // accum, budget - step),
                             f"epoch {epoch + 1}/{run.epochs}", bar)  # fmt: skip
-    batches = start.batch
+    batches, window = start.batch, (0.0, 0)  # the window's summed loss and images
     for i, batch in enumerate(loader, start=start.batch):
         if step >= budget:
             break
         batches += 1
-        lr = run.opt.set_lr(step)
-        loss, n = run.task.loss(run.net, batch, epoch, d, run.amp)
-        if nonfinite.before_step(loss, epoch, i):
-            continue
-        run.opt.step(run.net, nonfinite.backward_loss(loss), cfg.clip_grad, nonfinite.bad)
+        first, last = i % accum == 0, (i + 1) % accum == 0 or i + 1 == len(loader)
+        if first:
+            lr, window = run.opt.set_lr(step), (0.0, 0)
+        with _sync(run.net, last):
+            loss, n = run.task.loss(run.net, batch, epoch, d, run.amp)
+            if nonfinite.before_step(loss, epoch, i // accum, first, last):
+                continue
+            size = min(accum, len(loader) - i // accum * accum)  # a last window may be short
+            run.opt.backward(nonfinite.backward_loss(loss), size)
+        if last:
+            run.opt.step(run.net, None, cfg.clip_grad, nonfinite.bad)
         loss_sum += nonfinite.finite_part(loss).to(sum_dtype)
         images += n
-        step += 1
-        _report_step(run, progress, loss, lr, n, step, epoch, i, bar, nonfinite)
-        save, stop = run.ctl.due(i + 1, i + 1 == len(loader) or step == budget, step)
+        window = (window[0] + loss.detach(), window[1] + n)
+        if not last:
+            continue
+        step, done = step + 1, -(-(i + 1) // accum)  # done: the epoch's steps so far
+        _report_step(run, progress, window[0] / size, lr, window[1], step, epoch, done, bar,
+                     nonfinite)  # fmt: skip
+        save, stop = run.ctl.due(done, i + 1 == len(loader) or step == budget, step)
         if save:
             progress.close()
             run.save(epoch, step, False, EpochProgress(i + 1, float(loss_sum), images))
-            run.log(f"saved a mid-epoch checkpoint at epoch {epoch + 1} step {i + 1}")
+            run.log(f"saved a mid-epoch checkpoint at epoch {epoch + 1} step {done}")
             run.ctl.last_save = time.perf_counter()
         if stop:
-            raise run.ctl.preempted(f"at epoch {epoch + 1} step {i + 1}/{len(loader)}", cfg.out)
+            raise run.ctl.preempted(f"at epoch {epoch + 1} step {done}/{spe}", cfg.out)
     progress.close()
     nonfinite.check(f"in epoch {epoch + 1}")
     steps = torch.tensor(float(batches), dtype=sum_dtype, device=d.device)
@@ -237,24 +266,25 @@ def train_one_epoch(
 
 def _report_step(
     run: Run, progress: StepProgress, loss: torch.Tensor, lr: float, n: int, step: int,
-    epoch: int, i: int, bar: bool, nonfinite: NonFiniteGuard,
+    epoch: int, done: int, bar: bool, nonfinite: NonFiniteGuard,
 ) -> None:  # fmt: skip
-    """The progress bar (figures twice a second), and a log line every ``log_every`` steps."""
-    cfg, world, loader = run.cfg, run.d.world_size, run.prepared.train_loader
+    """The progress bar (figures twice a second), and a log line every ``log_every`` steps
+    (``done``: the epoch's steps so far)."""
+    cfg, world = run.cfg, run.d.world_size
     if progress.wants_postfix():  # the loss's device sync only when figures are shown
         run_eta = format_duration(run.clock.eta(step) or 0)
         progress.update(n * world, loss=f"{loss.item():.4f}", lr=f"{lr:.3g}", run_ETA=run_eta)
     else:
         progress.update(n * world)
-    if not cfg.log_every or (i + 1) % cfg.log_every:
+    if not cfg.log_every or done % cfg.log_every:
         return
-    nonfinite.check(f"by epoch {epoch + 1} step {i + 1}")
+    nonfinite.check(f"by epoch {epoch + 1} step {done}")
     run_eta = run.clock.eta(step)
     eta = f", run ETA {format_duration(run_eta)}" if run_eta is not None else ""
     run.loggers.scalars(step, {"train/step_loss": loss.item(), "train/lr": lr,
                                "train/img_per_s": progress.img_per_s})  # fmt: skip
     run.log(
-        f"epoch {epoch + 1} step {i + 1}/{len(loader)} loss {loss.item():.4f} lr {lr:.3g}, "
+        f"epoch {epoch + 1} step {done}/{run.steps_per_epoch} loss {loss.item():.4f} lr {lr:.3g}, "
         f"{progress.img_per_s:.0f} img/s, epoch ETA {format_duration(progress.eta())}{eta}",
         console=not bar,
     )
@@ -288,8 +318,12 @@ class Run:
         return self.prepared.model
 
     @property
+    def steps_per_epoch(self) -> int:  # optimizer steps
+        return steps_per_epoch(self.cfg, len(self.prepared.train_loader))
+
+    @property
     def epochs(self) -> int:
-        return run_epochs(self.cfg, len(self.prepared.train_loader))
+        return run_epochs(self.cfg, self.steps_per_epoch)
 
     def save(
         self, epoch: int, step: int, is_best: bool, mid: EpochProgress | None = None,
@@ -398,8 +432,9 @@ def _resumed_config(
     weights, state = load_checkpoint_pair(stem, repair=d.main)
     saved = config_from_dict(state["config"], source=f"{stem}")
     check_resume_keys(saved, cfg, explicit, stem, task.identity_keys)
-    asked = cfg.batch_size if "batch_size" in explicit else None
-    check_mid_epoch_batch(state, asked, stem, d.world_size)
+    asked = {k: getattr(cfg, k) for k in ("batch_size", "grad_accum_steps") if k in explicit}
+    check_mid_epoch_batch(state, asked.get("batch_size"), stem, d.world_size,
+                          asked.get("grad_accum_steps"))  # fmt: skip
     now = config_to_dict(cfg)
     keep = {k: now[k] for k in {"out", "resume", *explicit} - {"initial_checkpoint"}}
     return (
@@ -413,15 +448,14 @@ def _resumed_config(
 def _optimisation(
     cfg: TrainConfig, task: Task, prepared: Prepared, d: Dist, amp: Any
 ) -> Optimisation:
-    model, steps_per_epoch = prepared.model, len(prepared.train_loader)
+    model, spe = prepared.model, steps_per_epoch(cfg, len(prepared.train_loader))
     base_lr = scaled_lr(cfg, d.world_size)
     optimizer = build_optimizer(cfg, task.param_groups(model, cfg), base_lr, d.device)
     scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 else None
     ema = ModelEma(model, cfg.ema_decay) if cfg.ema else None
     schedule = dict(
-        total_steps=total_steps(cfg, steps_per_epoch),
-        warmup_steps=warmup_steps(cfg, steps_per_epoch),
-        cfg=cfg, base_lr=base_lr, steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps(cfg, spe), warmup_steps=warmup_steps(cfg, spe),
+        cfg=cfg, base_lr=base_lr, steps_per_epoch=spe,
     )  # fmt: skip
     return Optimisation(optimizer, scaler, ema, schedule)
 
@@ -462,9 +496,9 @@ def _restore(run: Run, state: dict[str, Any], stem: Path) -> _Position:
     if d.main:
         lines = "".join(json.dumps(h) + "\n" for h in run.history)
         atomic_write_bytes(run.out / "metrics.jsonl", lines.encode())
-    steps_per_epoch = len(run.prepared.train_loader)
+    accum = run.cfg.grad_accum_steps  # a mid-epoch checkpoint is at a window's end
     where = (
-        f"at epoch {pos.epoch + 1} step {pos.in_epoch.batch}/{steps_per_epoch}"
+        f"at epoch {pos.epoch + 1} step {-(-pos.in_epoch.batch // accum)}/{run.steps_per_epoch}"
         if pos.in_epoch
         else f"after epoch {state['epoch'] + 1}"
     )
@@ -493,13 +527,13 @@ def _start(
     seed_everything(cfg.seed + d.rank)
     prepared = task.prepare(cfg, d)
     check_loaders(prepared.train_loader, prepared.test_loader)  # before hours of training
-    model = prepared.model
+    model, spe = prepared.model, steps_per_epoch(cfg, len(prepared.train_loader))
     start_note = None  # a resume rescaled, or the fine-tuning start: logged after the reset
     if stem is not None:  # refused before anything is written, then noted once it starts
         # read before the lock was taken: used only when it is of the checkpoint resumed
         known = resumed.record if resumed is not None and resumed.stem == stem else None
         check_same_classes(stem, prepared.metadata, known)
-        start_note = rescale_resume(state, cfg, len(prepared.train_loader), d.world_size)
+        start_note = rescale_resume(state, cfg, spe, d.world_size)
     if weights is not None:
         model.load_state_dict(weights)
     elif cfg.initial_checkpoint:  # a task may read other layouts (a backbone's weights)
@@ -516,7 +550,7 @@ def _start(
         save_config(cfg, out / "config.yaml")
     log(
         f"{prepared.description}; {d.world_size} process(es) on {d.device.type}, "
-        f"global batch {cfg.batch_size * d.world_size}; amp {amp or 'none'}"
+        f"global batch {global_batch_text(cfg, d.world_size)}; amp {amp or 'none'}"
     )
     for note in [*prepared.notes, *([start_note] if start_note else [])]:
         log(note)
@@ -524,7 +558,6 @@ def _start(
     if stem is None:
         warn_long_warmup(cfg, opt.schedule)
     net = _wrap(model, cfg, d)
-    spe = len(prepared.train_loader)
     clock_start = state["global_step"] if state is not None else 0
     clock = RunClock(total_steps(cfg, spe), clock_start, spe, task.epoch_cost)
     run = Run(cfg, task, d, out, log, ctl, prepared, amp, opt, net, clock)

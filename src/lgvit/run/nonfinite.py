@@ -51,9 +51,10 @@ def skips_on_device(
 
 
 class NonFiniteGuard:
-    """One epoch's non-finite losses: :meth:`before_step`, the step (backward of
-    :meth:`backward_loss`; ``bad``, the device flag, for the EMA), :meth:`finite_part`, and
-    :meth:`check` at log time."""
+    """One epoch's non-finite losses: :meth:`before_step` for each micro-batch, the step
+    (backward of :meth:`backward_loss`; ``bad``, the device flag, for the EMA),
+    :meth:`finite_part`, and :meth:`check` at log time. With gradient accumulation a non-finite
+    micro-batch skips its whole window's step (its gradients are in the sum), counted once."""
 
     def __init__(
         self,
@@ -68,29 +69,44 @@ class NonFiniteGuard:
         self.on_device = skips_on_device(optimizer, scaler, device)
         self.count_dev = torch.zeros((), dtype=torch.int64, device=device)
         self.count = 0
-        self.bad: torch.Tensor | None = None
+        self.bad: torch.Tensor | None = None  # the window's agreed flag, set at its last
+        self._window: torch.Tensor | bool = False  # a non-finite loss so far in the window
 
-    def before_step(self, loss: torch.Tensor, epoch: int, i: int) -> bool:
-        """Before the step (gradients cleared): True when the host skips it, with a warning."""
-        self.optimizer.zero_grad(set_to_none=True)
+    def before_step(
+        self, loss: torch.Tensor, epoch: int, i: int, first: bool = True, last: bool = True
+    ) -> bool:
+        """Before a micro-batch's backward (a window's ``first`` clears the gradients): True
+        when the host skips it and its window's step, with a warning. ``i``: the step."""
+        if first:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.bad, self._window = None, False
         if self.on_device:
             bad = (~torch.isfinite(loss.detach())).to(torch.int32)
-            if self.distributed:  # DDP averages one rank's NaN into every rank's gradients:
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # all skip (and count) together
-            self.bad = bad.bool()
-            self.count_dev += self.bad
-            if self.scaler is None:  # as a GradScaler hands it over (it sets its own)
-                self.optimizer.grad_scale = None  # type: ignore[attr-defined]
-                self.optimizer.found_inf = self.bad.float()  # type: ignore[attr-defined]
+            self._window = bad if first else torch.maximum(self._window, bad)  # type: ignore
+            if last:
+                self._agree(self._window)  # type: ignore[arg-type]
             return False
+        if self._window:  # the window's step is skipped already
+            return True
         if torch.isfinite(loss):
             return False
         self.count += 1
+        self._window = True
         where = f"loss is {loss.item()} at epoch {epoch + 1} step {i + 1}"
         if self.count > self.cfg.max_nonfinite:
             stop_nonfinite(self.cfg, where)
         warnings.warn(f"{where}: skipped", stacklevel=3)
         return True
+
+    def _agree(self, bad: torch.Tensor) -> None:
+        """The window's flag, the same on every rank, counted and handed to the optimizer."""
+        if self.distributed:  # DDP averages one rank's NaN into every rank's gradients:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # all skip (and count) together
+        self.bad = bad.bool()
+        self.count_dev += self.bad
+        if self.scaler is None:  # as a GradScaler hands it over (it sets its own)
+            self.optimizer.grad_scale = None  # type: ignore[attr-defined]
+            self.optimizer.found_inf = self.bad.float()  # type: ignore[attr-defined]
 
     def backward_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to differentiate. Under a GradScaler a non-finite loss makes every gradient
@@ -101,8 +117,11 @@ class NonFiniteGuard:
         return loss * torch.where(self.bad, float("nan"), 1.0)
 
     def finite_part(self, loss: torch.Tensor) -> torch.Tensor:
-        """After the step: the loss to sum (0 for a step skipped on the device)."""
+        """After the step: the loss to sum (0 for a step skipped on the device; before a
+        window's last micro-batch, 0 for a non-finite loss)."""
         if self.bad is None:
+            if self.on_device:
+                return torch.where(torch.isfinite(loss), loss.detach(), 0.0)
             return loss.detach()
         for name in ("grad_scale", "found_inf"):
             if hasattr(self.optimizer, name):

@@ -14,6 +14,12 @@ import torch.nn as nn
 from lgvit.run.config import TrainConfig
 
 
+def steps_per_epoch(cfg: TrainConfig, batches: int) -> int:
+    """An epoch's optimizer steps: its ``batches`` in windows of ``grad_accum_steps`` (a last
+    partial window steps too, as timm's). Schedules, budgets and logs count these steps."""
+    return -(-batches // cfg.grad_accum_steps)
+
+
 def run_epochs(cfg: TrainConfig, steps_per_epoch: int) -> int:
     """The run's epochs: ``epochs``, or as many as an iteration budget (``iters``) needs (the
     last one stops at the budget)."""

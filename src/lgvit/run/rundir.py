@@ -192,12 +192,21 @@ def find_resume(resume: str | None, out: Path, given: Iterable[str]) -> Path | N
 
 
 def check_mid_epoch_batch(
-    state: dict, batch_size: int | None, stem: Path, world_size: int | None = None
-) -> None:
-    """A checkpoint saved inside an epoch counts its position in batches of its processes:
-    resuming it with another batch size or process count would skip (or repeat) the rest of
-    that epoch's images."""
+    state: dict, batch_size: int | None, stem: Path, world_size: int | None = None,
+    grad_accum_steps: int | None = None,
+) -> None:  # fmt: skip
+    """A checkpoint saved inside an epoch counts its position in batches of its processes and
+    its schedule in steps of its accumulation windows: resuming it with another batch size,
+    process count or ``grad_accum_steps`` would skip (or repeat) the rest of that epoch's
+    images, or shift its schedule."""
     mid = (state.get("extra") or {}).get("mid_epoch")
+    accum = (state.get("config") or {}).get("grad_accum_steps", 1)
+    if mid is not None and grad_accum_steps not in (None, accum):
+        raise LgvitError(
+            f"--resume {stem}: saved inside epoch {state.get('epoch', 0) + 1} with "
+            f"grad_accum_steps={accum}; resume it with --grad-accum-steps {accum} (it may "
+            "change at an epoch boundary, from a checkpoint saved after an epoch)"
+        )
     ranks = len((state.get("extra") or {}).get("rng_per_rank") or []) or None
     if mid is not None and None not in (ranks, world_size) and ranks != world_size:
         raise LgvitError(
@@ -220,18 +229,19 @@ def rescale_resume(state: dict, cfg: Any, steps_per_epoch: int, world_size: int)
     (``state["global_step"]``, changed here) moves to the same epoch counted in the new steps,
     and the base lr follows the batch (``scaled_lr``); returns that note (None: same batch). An
     iteration budget counts steps of the run's batch: such a resume is refused (one line)."""
-    from lgvit.run.config import config_from_dict, scaled_lr
+    from lgvit.run.config import config_from_dict, global_batch, scaled_lr
 
     saved = config_from_dict(state.get("config") or {}, source="the checkpoint's config")
     ranks = len((state.get("extra") or {}).get("rng_per_rank") or []) or world_size
-    was, now = saved.batch_size * ranks, cfg.batch_size * world_size
+    was, now = global_batch(saved, ranks), global_batch(cfg, world_size)
     if was == now:
         return None
     if cfg.iters:
+        accum = f" x {saved.grad_accum_steps} accumulated" if saved.grad_accum_steps > 1 else ""
         raise LgvitError(
             f"--resume {cfg.resume}: the run's budget of {cfg.iters} iterations counts steps of "
-            f"{was} images (--batch-size {saved.batch_size} on {ranks} process(es)), not {now}; "
-            "resume it with that global batch"
+            f"{was} images (--batch-size {saved.batch_size} on {ranks} process(es){accum}), not "
+            f"{now}; resume it with that global batch"
         )
     done, old_step = state["epoch"] + 1, state["global_step"]
     state["global_step"] = done * steps_per_epoch
@@ -241,6 +251,17 @@ def rescale_resume(state: dict, cfg: Any, steps_per_epoch: int, world_size: int)
         f"{state['global_step']} (was {old_step}), its base lr scaled with the batch to "
         f"{scaled_lr(cfg, world_size):.3g} (was {scaled_lr(saved, ranks):.3g})"
     )
+
+
+def global_batch_text(cfg: Any, world_size: int) -> str:
+    """The global batch for the run's log line, with its factors when it accumulates."""
+    from lgvit.run.config import global_batch
+
+    total = global_batch(cfg, world_size)
+    if cfg.grad_accum_steps == 1:
+        return str(total)
+    factors = f"{cfg.batch_size} x {world_size} process(es) x {cfg.grad_accum_steps} accumulated"
+    return f"{total} ({factors})"
 
 
 def check_resume_keys(
