@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-from test_train import FAST
+from conftest import NanBatches
+from test_train import ENV, FAST
 
 from lgvit.checkpoints.files import load_checkpoint_pair, load_weights
 from lgvit.cli import main
-from lgvit.run import engine
+from lgvit.run import engine, nonfinite
 from lgvit.run.config import TrainConfig, scaled_lr
-from lgvit.run.optim import lr_at
+from lgvit.run.optim import build_optimizer, lr_at, param_groups
 
 # No randomness between the loader and the loss (no augmentation, mixup or drop path), so the
 # samples of a step depend only on the epoch's order, which the batch size does not change.
@@ -40,28 +44,52 @@ def _close(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=2e-6, msg=k)
 
 
-def test_two_micro_batches_equal_one_batch_of_both(tmp_path):
+# Short runs whose steps must be the same: the clip active (on the accumulated gradient), the EMA
+# lagging visibly behind the weights.
+STEPS = ["--iters", "3", "--clip-grad", "0.05", "--model-ema", "--model-ema-decay", "0.5"]
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory) -> Path:
+    """3 optimizer steps of one batch of 32."""
+    out = tmp_path_factory.mktemp("accum") / "big"
+    assert _train(out, *STEPS, "--batch-size", "32") == 0
+    return out
+
+
+def _weights(out: Path, name: str = "last") -> dict:
+    return load_weights(out / f"{name}.safetensors")
+
+
+def test_two_micro_batches_equal_one_batch_of_both(big, tmp_path):
     """3 optimizer steps of 2 x 16 images equal 3 of 32 (the same samples per step, the same
-    peak lr since the global batch counts the accumulation), with the clip active (on the
-    accumulated gradient) and the EMA updated once per step."""
-    common = ["--iters", "3", "--clip-grad", "0.05", "--model-ema", "--model-ema-decay", "0.5"]
-    assert _train(tmp_path / "big", *common, "--batch-size", "32") == 0
-    assert _train(tmp_path / "acc", *common, *HALVES) == 0
-    big, acc = (
-        load_weights(tmp_path / "big/last.safetensors"),
-        load_weights(tmp_path / "acc/last.safetensors"),
-    )
-    first = load_weights(tmp_path / "big/last_ema.safetensors")
-    _close(big, acc)
-    _close(first, load_weights(tmp_path / "acc/last_ema.safetensors"))
-    assert any(not torch.equal(big[k], first[k]) for k in big)  # the EMA lags: a real check
-    _, s_big = load_checkpoint_pair(tmp_path / "big/last")
-    _, s_acc = load_checkpoint_pair(tmp_path / "acc/last")
-    assert s_big["global_step"] == s_acc["global_step"] == 3
-    one = _train(tmp_path / "one", *common, "--batch-size", "16")  # no accumulation: differs
-    assert one == 0
+    peak lr since the global batch counts the accumulation), the clip on the accumulated
+    gradient, the EMA updated once per step; 3 steps of 16 without accumulation differ."""
+    assert _train(tmp_path / "acc", *STEPS, *HALVES) == 0
+    _close(_weights(big), _weights(tmp_path / "acc"))
+    _close(_weights(big, "last_ema"), _weights(tmp_path / "acc", "last_ema"))
+    assert any(not torch.equal(v, _weights(big, "last_ema")[k]) for k, v in _weights(big).items())
+    _, state = load_checkpoint_pair(tmp_path / "acc/last")
+    assert state["global_step"] == 3
+    assert _train(tmp_path / "one", *STEPS, "--batch-size", "16") == 0
     with pytest.raises(AssertionError):
-        _close(big, load_weights(tmp_path / "one/last.safetensors"))
+        _close(_weights(big), _weights(tmp_path / "one"))
+
+
+def test_two_processes_accumulating_equal_one_process_with_the_whole_batch(big, tmp_path):
+    """torchrun, 2 processes (gloo) x 2 micro-batches of 8: each step sees the 32 images the
+    one-process batch sees, averaged over the ranks once per window; the same weights."""
+    run = tmp_path / "ddp"
+    p = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "lgvit", "train", *PLAIN, *STEPS, "--batch-size", "8", "--grad-accum-steps", "2",
+         "--device", "cpu", "--out", str(run)],
+        capture_output=True, text=True, env=ENV, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "global batch 32 (8 x 2 process(es) x 2 accumulated)" in p.stdout
+    _close(_weights(big), _weights(run))
+    _close(_weights(big, "last_ema"), _weights(run, "last_ema"))
 
 
 def test_the_schedule_budget_and_logs_count_optimizer_steps(tmp_path, monkeypatch, capsys):
@@ -154,6 +182,54 @@ def test_no_all_reduce_before_a_windows_last_micro_batch(one_epoch):
     _close(ends[0].module.state_dict(), ends[1].module.state_dict())
 
 
+def _tiny() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    cfg = TrainConfig(opt_eps=1e-6)
+    return build_optimizer(cfg, param_groups(model, 0.05), 0.05, torch.device("cpu"))
+
+
+def test_fp16s_scaler_scales_each_micro_batch_and_unscales_once():
+    """Under a GradScaler each micro-batch's loss is scaled and the sum unscaled once before the
+    clip and the step: the same weights as without one (the scale is a power of two)."""
+    batches = NanBatches(4, set()).batches
+    ends = []
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=1024.0)):
+        model = _tiny()
+        o = engine.Optimisation(_adamw(model), scaler, None, {})
+        for w in range(2):
+            o.optimizer.zero_grad(set_to_none=True)
+            for x, y in batches[2 * w : 2 * w + 2]:
+                o.backward(nn.functional.cross_entropy(model(x), y), 2)
+            o.step(model, None, 0.1, None)
+        ends.append(model.state_dict())
+    _close(*ends)
+
+
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+def test_a_nonfinite_micro_batch_skips_its_whole_window(one_epoch, monkeypatch, where):
+    """A NaN in the first micro-batch of the first window (its second is finite): that whole
+    window's step is skipped, on the host (CPU) or on the device (found_inf, as on a GPU),
+    and the run ends where a run without that window ends."""
+    real = nonfinite.skips_on_device
+    monkeypatch.setattr(nonfinite, "skips_on_device",
+                        lambda o, s, _: real(o, s, torch.device(where)))  # fmt: skip
+    cfg = TrainConfig(grad_accum_steps=2, clip_grad=1.0, sched="none", label_smoothing=0.0,
+                      max_nonfinite=5, log_every=1000)  # fmt: skip
+    ends = []
+    for data in (NanBatches(6, {0}).batches, NanBatches(6, set()).batches[2:]):
+        model = _tiny()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the host path's "skipped"
+            one_epoch(model, data, _adamw(model), cfg)
+        ends.append(model.state_dict())
+    assert all(torch.isfinite(v).all() for v in ends[0].values())
+    _close(*ends)
+
+
 def _stop_at(monkeypatch, step: int) -> None:
     monkeypatch.setenv("LGVIT_SIGTERM_AT_STEP", str(step))
 
@@ -184,9 +260,12 @@ def test_a_resume_at_a_window_boundary_is_exact_and_another_n_is_refused(
     assert {p.name: p.read_bytes() for p in cut.iterdir() if p.is_file()} == files
     assert main(["train", "--out", str(cut), "--resume", "auto"]) == 0
     assert "resumed from" in capsys.readouterr().out
-    full, resumed = (
-        load_weights(tmp_path / "full/last.safetensors"),
-        load_weights(cut / "last.safetensors"),
-    )
+    full, resumed = _weights(tmp_path / "full"), _weights(cut)
     assert full.keys() == resumed.keys()
     assert all(torch.equal(full[k], resumed[k]) for k in full)
+    # An iteration budget counts steps of the run's global batch: another one is refused.
+    finished = main(["train", "--out", str(tmp_path / "full"), "--resume", "auto", "--iters",
+                     "12", "--grad-accum-steps", "1"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert finished == 2 and "counts steps of 32 images" in err, err
+    assert "(--batch-size 16 on 1 process(es) x 2 accumulated), not 16" in err
