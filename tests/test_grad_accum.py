@@ -26,8 +26,8 @@ from lgvit.run.optim import build_optimizer, lr_at, param_groups
 # No randomness between the loader and the loss (no augmentation, mixup or drop path), so the
 # samples of a step depend only on the epoch's order, which the batch size does not change.
 PLAIN = [
-    *FAST, "--data", "synthetic", "--amp", "none", "--drop-path", "0", "--mixup", "0",
-    "--cutmix", "0", "--aa", "none", "--reprob", "0", "--set", "train_crop=none",
+    *FAST, "--data", "synthetic", "--amp", "none", "--device", "cpu", "--drop-path", "0",
+    "--mixup", "0", "--cutmix", "0", "--aa", "none", "--reprob", "0", "--set", "train_crop=none",
     "--set", "hflip=false", "--set", "warmup_epochs=0",
 ]  # fmt: skip
 # 512 synthetic images: batch 32, or 2 micro-batches of 16, gives 16 optimizer steps an epoch.
@@ -83,7 +83,7 @@ def test_two_processes_accumulating_equal_one_process_with_the_whole_batch(big, 
     p = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "lgvit", "train", *PLAIN, *STEPS, "--batch-size", "8", "--grad-accum-steps", "2",
-         "--device", "cpu", "--out", str(run)],
+         "--out", str(run)],
         capture_output=True, text=True, env=ENV, timeout=300,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
