@@ -124,6 +124,10 @@ def test_the_schedule_budget_and_logs_count_optimizer_steps(tmp_path, monkeypatc
     assert [lr for _, lr in lrs] == pytest.approx(want)
     out = capsys.readouterr().out
     assert "global batch 32 (16 x 1 process(es) x 2 accumulated)" in out
+    assert _train(tmp_path / "zero", "--grad-accum-steps", "0") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("grad_accum_steps=0 (from --grad-accum-steps): must be >= 1"), err
+    assert not (tmp_path / "zero").exists()
     assert [ln.split(" loss")[0][-17:] for ln in out.splitlines() if "/16 loss " in ln] == [
         "epoch 1 step 2/16", "epoch 1 step 4/16", "epoch 1 step 6/16"
     ]  # fmt: skip
