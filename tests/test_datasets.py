@@ -124,7 +124,15 @@ def _member(name: str, type_: bytes = tarfile.REGTYPE, linkname: str = "") -> ta
 
 
 def test_dataset_names_and_unknown_name():
-    assert dataset_names() == ["cifar10", "cifar100", "imagefolder", "digits", "synthetic"]
+    assert dataset_names() == [
+        "cifar10",
+        "cifar100",
+        "imagefolder",
+        "wds",
+        "hfds",
+        "digits",
+        "synthetic",
+    ]
     with pytest.raises(LgvitError, match="unknown dataset 'mnist'.*cifar10.*synthetic"):
         load_dataset("mnist")
 
