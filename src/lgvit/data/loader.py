@@ -400,7 +400,50 @@ class BatchRecipe:
         return x, self.to_device(y)
 
 
-class BatchLoader:
+class RecipeLoader:
+    """The engine's loader contract (:class:`lgvit.data.protocol.TrainLoader`) of a loader
+    whose batches a :class:`BatchRecipe` (``self.recipe``) plans: in memory, streamed from
+    files or rows, or from shards."""
+
+    recipe: BatchRecipe
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank."""
+        return len(self.recipe)
+
+    def set_epoch(self, epoch: int, batch: int = 0, state: torch.Tensor | None = None) -> None:
+        """:meth:`BatchRecipe.set_epoch`: the epoch, and where in it the next pass starts."""
+        self.recipe.set_epoch(epoch, batch, state)
+
+    def aug_state(self) -> torch.Tensor | None:
+        return self.recipe.aug_state()
+
+    def recipe_batch(
+        self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor,
+        gen: torch.Generator,
+    ) -> tuple | None:  # fmt: skip
+        """A workers' uint8 batch through the recipe: its readable images (``ok``) only, an
+        odd one left out for mixup; None when none is left."""
+        r = self.recipe
+        if not ok.all():  # only then a copy (pinned as the workers' batch was)
+            keep = ok.nonzero().flatten()
+            x, y, idx = _kept(x, keep), y[keep], idx[keep]
+        if r.mix and len(y) % 2:
+            x, y, idx = x[:-1], y[:-1], idx[:-1]
+        if len(y) == 0:
+            return None
+        return r.train_batch(x, y, gen, idx) if r.train else r.eval_batch(x, y, idx)
+
+
+def _kept(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The images ``keep`` of ``x``, in memory pinned as ``x`` is: a batch is pinned once (by
+    the DataLoader, for a CUDA device), and the copy to the device reads that buffer
+    (``Tensor.pin_memory`` returns a pinned tensor itself), with no pageable copy between."""
+    out = torch.empty((len(keep), *x.shape[1:]), dtype=x.dtype, pin_memory=x.is_pinned())
+    return torch.index_select(x, 0, keep, out=out)
+
+
+class BatchLoader(RecipeLoader):
     """Iterates ``(inputs float (B, 3, S, S), targets)`` over uint8 images in memory,
     augmenting whole batches (:class:`BatchRecipe`).
 
@@ -461,17 +504,6 @@ class BatchLoader:
         )  # fmt: skip
         self.labels = self.recipe.labels
         self.aug = self.recipe.aug
-
-    def __len__(self) -> int:
-        """Batches per epoch for this rank."""
-        return len(self.recipe)
-
-    def set_epoch(self, epoch: int, batch: int = 0, state: torch.Tensor | None = None) -> None:
-        """:meth:`BatchRecipe.set_epoch`: the epoch, and where in it the next pass starts."""
-        self.recipe.set_epoch(epoch, batch, state)
-
-    def aug_state(self) -> torch.Tensor | None:
-        return self.recipe.aug_state()
 
     def indices(self) -> torch.Tensor:
         """Dataset indices this rank visits in the current epoch, in order (before batching)."""

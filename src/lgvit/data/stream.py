@@ -24,7 +24,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from lgvit.core.errors import LgvitError
-from lgvit.data.loader import AugmentConfig, BatchLoader, BatchRecipe, _seed
+from lgvit.data.loader import AugmentConfig, BatchLoader, BatchRecipe, RecipeLoader, _seed
 from lgvit.data.segmentation import own_generator
 from lgvit.data.splits import FileImageSet, ImageSet, SampleSet
 from lgvit.data.transforms import resize_center_crop
@@ -104,15 +104,7 @@ class _DecodeBatches(Dataset):
         return out, ok
 
 
-def _kept(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """The images ``keep`` of ``x``, in memory pinned as ``x`` is: a batch is pinned once (by
-    the DataLoader, for a CUDA device), and the copy to the device reads that buffer
-    (``Tensor.pin_memory`` returns a pinned tensor itself), with no pageable copy between."""
-    out = torch.empty((len(keep), *x.shape[1:]), dtype=x.dtype, pin_memory=x.is_pinned())
-    return torch.index_select(x, 0, keep, out=out)
-
-
-class StreamingLoader:
+class StreamingLoader(RecipeLoader):
     """A :class:`SampleSet` (image files, a Hugging Face dataset's rows) decoded and cropped
     by ``workers`` DataLoader processes, then the rest of :class:`BatchLoader`'s recipe
     (:class:`BatchRecipe`: its sharding, seeding, batches and augmentation stream) on the main
@@ -143,17 +135,6 @@ class StreamingLoader:
         self.max_bad_fraction = max_bad_fraction
         self.seen = self.bad = 0
         self.first_bad: str | None = None
-
-    def __len__(self) -> int:
-        """Batches per epoch for this rank."""
-        return len(self.recipe)
-
-    def set_epoch(self, epoch: int, batch: int = 0, state: torch.Tensor | None = None) -> None:
-        """:meth:`BatchRecipe.set_epoch`: the epoch, and where in it the next pass starts."""
-        self.recipe.set_epoch(epoch, batch, state)
-
-    def aug_state(self) -> torch.Tensor | None:
-        return self.recipe.aug_state()
 
     def _decoded(self, batches: list[list[int]], start: int) -> DataLoader:
         """The workers' uint8 batches ``(x, readable)`` of ``batches`` (the epoch's from
@@ -189,15 +170,9 @@ class StreamingLoader:
         for (x, ok), idx in zip(self._decoded(batches, start), batches, strict=True):
             y = self.labels[idx]
             self._count_bad(ok, idx)
-            idx = torch.as_tensor(idx)
-            if not ok.all():  # only then a copy (pinned as the workers' batch was)
-                keep = ok.nonzero().flatten()
-                x, y, idx = _kept(x, keep), y[keep], idx[keep]
-            if r.mix and len(y) % 2:
-                x, y, idx = x[:-1], y[:-1], idx[:-1]
-            if len(y) == 0:
-                continue
-            yield r.train_batch(x, y, gen, idx) if r.train else r.eval_batch(x, y, idx)
+            batch = self.recipe_batch(x, y, torch.as_tensor(idx), ok, gen)
+            if batch is not None:
+                yield batch
 
 
 def make_loader(

@@ -47,10 +47,10 @@ from lgvit.core.atomic import atomic_write_json
 from lgvit.core.constants import IMAGENET_MEAN, IMAGENET_STD
 from lgvit.core.errors import LgvitError
 from lgvit.data.decode import load_rgb
-from lgvit.data.loader import AugmentConfig, BatchRecipe, _seed
+from lgvit.data.loader import AugmentConfig, BatchRecipe, RecipeLoader, _seed
 from lgvit.data.segmentation import own_generator
 from lgvit.data.splits import DatasetSplits
-from lgvit.data.stream import _kept, random_resized_box
+from lgvit.data.stream import random_resized_box
 from lgvit.data.transforms import resize_center_crop
 
 __all__ = ["DEFAULT_INPUT_KEY", "DEFAULT_TARGET_KEY", "SHUFFLE", "ShardLoader", "ShardSet",
@@ -578,7 +578,7 @@ class _ShardBatches(IterableDataset):
         return label, resize_center_crop(chw[None], a.img_size, a.crop_pct, a.interpolation)[0]
 
 
-class ShardLoader:
+class ShardLoader(RecipeLoader):
     """Batches of a :class:`ShardSet`: samples split over ranks and DataLoader workers as the
     module says, decoded and cropped by ``workers`` processes, then the rest of
     :class:`BatchRecipe`'s recipe (seeds, augmentation stream, batches) on the main process.
@@ -610,17 +610,6 @@ class ShardLoader:
         self.max_bad_fraction = max_bad_fraction
         self.seen = self.bad = 0
         self.first_bad: str | None = None
-
-    def __len__(self) -> int:
-        """Batches per epoch for this rank."""
-        return len(self.recipe)
-
-    def set_epoch(self, epoch: int, batch: int = 0, state: torch.Tensor | None = None) -> None:
-        """:meth:`BatchRecipe.set_epoch`: the epoch, and where in it the next pass starts."""
-        self.recipe.set_epoch(epoch, batch, state)
-
-    def aug_state(self) -> torch.Tensor | None:
-        return self.recipe.aug_state()
 
     def rank_range(self) -> tuple[int, int]:
         """(first stream position, samples) of this rank's range in the epoch's stream."""
@@ -669,11 +658,6 @@ class ShardLoader:
         )  # fmt: skip
         for x, ok, idx, y, first_bad in batches:
             self._count_bad(ok, first_bad)
-            if not ok.all():  # only then a copy (pinned as the workers' batch was)
-                keep = ok.nonzero().flatten()
-                x, y, idx = _kept(x, keep), y[keep], idx[keep]
-            if r.mix and len(y) % 2:
-                x, y, idx = x[:-1], y[:-1], idx[:-1]
-            if len(y) == 0:
-                continue
-            yield r.train_batch(x, y, gen, idx) if r.train else r.eval_batch(x, y, idx)
+            batch = self.recipe_batch(x, y, idx, ok, gen)
+            if batch is not None:
+                yield batch
