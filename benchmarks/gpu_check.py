@@ -352,7 +352,9 @@ def part_c(p: Part) -> None:
     runs = [("bf16 fused AdamW", "bf16", ()), ("fp16 GradScaler fused AdamW", "fp16", ()),
             ("fp32 fused AdamW", "none", ()), ("bf16 SGD", "bf16", ("--set", "opt=sgd")),
             ("bf16 LAMB", "bf16", ("--set", "opt=lamb")),
-            ("bf16 EMA", "bf16", ("--model-ema",))]  # fmt: skip
+            ("bf16 EMA", "bf16", ("--model-ema",)),
+            ("bf16 accumulating 2 micro-batches", "bf16", ("--set", "grad_accum_steps=2")),
+            ("bf16 channels-last", "bf16", ("--channels-last",))]  # fmt: skip
     for i, (name, amp, extra) in enumerate(runs):
         if amp == "fp16" and not p.device.startswith("cuda"):
             p.note(f"{name}: skipped, fp16 needs CUDA")
