@@ -33,9 +33,9 @@ half's), which stays near zero when the memory does not grow with the dataset. t
 reader buffers up to 8192 samples per worker (``WDS_SHUFFLE_SIZE``): with fewer images than that
 its buffer is smaller than on ImageNet.
 
-The run (4000 images, 3 rounds, both recipes: an estimated 15 minutes on 2 idle cores, less
-with more; the first run also writes the files, about a minute). Run it on an otherwise idle
-machine:
+The run (4000 images, 3 rounds, both recipes) took about 13 minutes on 2 idle cores (AMD EPYC,
+measured), less with more; the first run also writes the files, about a minute. Run it on an
+otherwise idle machine:
 
     python benchmarks/bench_sources.py
 
