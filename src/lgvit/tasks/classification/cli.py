@@ -88,9 +88,10 @@ def run_eval(args: argparse.Namespace) -> int:
                             input_key=args.input_key, target_key=args.target_key,
                             split=args.split)  # fmt: skip
     _check_eval_classes(args, model, split.classes)
-    if isinstance(split, ImageSet):  # decoded in memory: named by position
+    names: list[str] = []  # only ReaL and the predictions file need them (shards: a scan)
+    if (real or args.predictions) and isinstance(split, ImageSet):  # decoded: by position
         names = [f"{args.data}/test/{i}" for i in range(len(split))]
-    else:  # read sample by sample: a file's path, a shard's sample, a dataset's row
+    elif real or args.predictions:  # read sample by sample: a path, a shard's key, a row
         names = [split.name(i) for i in range(len(split))]
 
     real_sets = real.for_images(names, model.num_classes) if real else None
