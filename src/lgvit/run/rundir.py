@@ -23,6 +23,7 @@ from typing import Any
 from lgvit.checkpoints.files import checkpoint_paths, load_record
 from lgvit.checkpoints.record import CheckpointRecord
 from lgvit.core.errors import LgvitError
+from lgvit.run.kept import KEPT_DIR, KEPT_INDEX
 
 LOCK_NAME = ".lock"
 
@@ -110,6 +111,8 @@ RUN_FILES = (
     "last.state.pt", "best.safetensors", "best.state.pt", "last_ema.safetensors",
     "metrics.jsonl", "train.log", "config.yaml",
 )  # fmt: skip
+# The stems of the checkpoints a run writes in its directory (the engine's saves).
+RUN_CHECKPOINTS = ("last", "best", "last_ema")
 
 
 def run_files(out: Path) -> list[str]:
@@ -117,6 +120,11 @@ def run_files(out: Path) -> list[str]:
     empty directory."""
     names = (checkpoint_paths(Path("last"))[0].name, *RUN_FILES)
     return [name for name in names if (Path(out) / name).exists()]
+
+
+def holds_run(out: Path) -> bool:
+    """``out`` holds a run's files or its kept epochs (``keep_best``)."""
+    return bool(run_files(out)) or (Path(out) / KEPT_DIR / KEPT_INDEX).exists()
 
 
 def check_resumable(out: Path, checkpoint: Path, given: Iterable[str] | None = None) -> None:

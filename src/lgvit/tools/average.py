@@ -17,12 +17,19 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lgvit.checkpoints.files import PAIR_ID_KEY, load_metadata, load_weights
+from lgvit.checkpoints.files import (
+    PAIR_ID_KEY,
+    WEIGHTS_SUFFIX,
+    checkpoint_paths,
+    load_metadata,
+    load_weights,
+)
 from lgvit.core.atomic import atomic_save_safetensors, check_writable
 from lgvit.core.errors import LgvitError
-from lgvit.run.kept import kept_checkpoints
+from lgvit.run.kept import KEPT_DIR, KEPT_INDEX, kept_checkpoints
+from lgvit.run.rundir import RUN_CHECKPOINTS, holds_run
 
-__all__ = ["average_files", "average_weights", "sources"]
+__all__ = ["average_files", "average_weights", "check_out", "sources"]
 
 
 def average_weights(states: Sequence[dict[str, Tensor]], names: Sequence[str]) -> dict[str, Tensor]:
@@ -70,6 +77,7 @@ def sources(paths: Sequence[str], best: int | None, ema: bool = True) -> list[Pa
 def average_files(files: Sequence[Path], out: str | Path) -> dict[str, Tensor]:
     """Average ``files`` into ``out`` (a ``.safetensors`` file, written atomically) with the
     first file's metadata; returns the averaged weights."""
+    check_out(out, files)  # the path as given, in its message
     out = Path(out)
     if not out.name.endswith(".safetensors"):
         raise LgvitError(f"--out {out}: the average is written as a .safetensors file")
@@ -83,3 +91,30 @@ def average_files(files: Sequence[Path], out: str | Path) -> dict[str, Tensor]:
     meta = {k: v for k, v in meta.items() if k != PAIR_ID_KEY}  # it pairs no train state
     atomic_save_safetensors(averaged, out, meta)
     return averaged
+
+
+def _same_files(path: Path) -> set[Path]:
+    """The files ``path`` may name, resolved: as given, and as a checkpoint stem's weights."""
+    return {path.resolve(), checkpoint_paths(path)[0].resolve()}
+
+
+def check_out(out: str | Path, files: Sequence[Path]) -> None:
+    """``--out`` must not replace a file the average reads, a run's checkpoint (its ``last``
+    would lose the train state it pairs with, and ``--resume auto`` would fail) or a file in a
+    run's ``kept/`` (its index owns that folder): one line, before anything is read."""
+    target = checkpoint_paths(out)[0].resolve()
+    for f in files:
+        if _same_files(Path(out)) & _same_files(Path(f)):
+            raise LgvitError(f"--out {out}: {f} is one of the checkpoints averaged; write the "
+                             "average to another file")  # fmt: skip
+    folder, stem = target.parent, target.name[: -len(WEIGHTS_SUFFIX)]
+    if stem in RUN_CHECKPOINTS and holds_run(folder):
+        raise LgvitError(
+            f"--out {out}: {folder} holds a run, and this would replace its {stem} checkpoint; "
+            f"write the average to another name (e.g. {folder / 'average.safetensors'})"
+        )
+    if folder.name == KEPT_DIR and ((folder / KEPT_INDEX).exists() or holds_run(folder.parent)):
+        raise LgvitError(
+            f"--out {out}: inside {folder}, the run's kept epochs ({KEPT_INDEX} owns that "
+            f"folder); write the average outside it (e.g. {folder.parent / 'average.safetensors'})"
+        )

@@ -1,0 +1,101 @@
+"""Faults and bad input, round five: the run's tools and process set-up. ``lgvit average``
+writing over a checkpoint it reads or a run's own files, W&B without credentials, a
+TensorBoard folder that cannot be written, ranks outside the world and a rendezvous missing a
+process, and the messages of ``--initial-checkpoint`` / ``average`` with hub folders, an
+empty ``kept.json``, ``SLURM_NTASKS=0``, a copied checkpoint's resume and ``keep_best`` with an
+EMA."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+from test_train import FAST
+
+from lgvit.cli import main
+
+SYN = ["train", *FAST, "--data", "synthetic", "--amp", "none"]
+
+
+def _train(args: list[str]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a warm-up as long as a 2-step run
+        assert main(args) == 0
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A finished 2-iteration run."""
+    root = tmp_path_factory.mktemp("r5")
+    _train([*SYN, "--iters", "2", "--seed", "1", "--out", str(root / "run")])
+    return root / "run"
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def _one_line(capsys, code: int, *needles: str) -> str:
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, (code, out[-2000:], err[-2000:])
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+# ------------------------------------------------------------ 1: average over its own inputs
+
+
+@pytest.fixture
+def two(run, tmp_path, monkeypatch):
+    """Two copies of the run, ``a`` and ``b``, in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        shutil.copytree(run, tmp_path / name)
+    return tmp_path
+
+
+def test_average_out_as_one_of_its_inputs_is_refused(two, capsys):
+    """``--out runs/a/last.safetensors`` replaced run a's checkpoint with the average (its pair
+    id gone: ``--resume auto`` then failed)."""
+    (two / "link").symlink_to(two / "a")
+    before = _files(two / "a")
+    for inputs, out in (
+        (["a/last.safetensors", "b/last.safetensors"], "a/last.safetensors"),
+        (["a/last", "b/last"], "a/last.safetensors"),  # stems
+        (["a/last.safetensors", "b/last.safetensors"], "a/last"),  # no suffix
+        ([str(two / "a/last.safetensors"), "b/last"], "./b/../a/last.safetensors"),
+        (["link/last", "b/last"], str(two / "a/last.safetensors")),  # through a link
+        (["a/best.safetensors", "b/best.safetensors"], "link/best.safetensors"),
+    ):
+        code = main(["average", *inputs, "--out", out])
+        _one_line(capsys, code, f"--out {out}", "one of the checkpoints averaged")
+    assert _files(two / "a") == before
+    assert main(["train", "--out", "a", "--resume", "auto"]) == 0  # still resumable
+
+
+def test_average_out_over_a_runs_checkpoint_or_kept_epochs_is_refused(two, capsys):
+    from safetensors.torch import load_file
+
+    from lgvit.run.kept import keep_epoch
+
+    (two / "c").mkdir()
+    shutil.copy(two / "b" / "last.safetensors", two / "c" / "x.safetensors")
+    shutil.copy(two / "b" / "last.safetensors", two / "c" / "y.safetensors")
+    w = load_file(two / "a" / "last.safetensors")
+    keep_epoch(two / "a", 2, 0, 50.0, w, None, {"model": "lsa_micro_cifar"})
+    before = _files(two / "a")
+    inputs = ["c/x.safetensors", "c/y.safetensors"]
+    for stem in ("last", "best", "last_ema"):
+        code = main(["average", *inputs, "--out", f"a/{stem}.safetensors"])
+        _one_line(capsys, code, f"--out a/{stem}.safetensors", "holds a run", f"{stem} checkpoint")
+    for out in ("a/kept/epoch-0001.safetensors", "a/kept/mine.safetensors"):
+        code = main(["average", *inputs, "--out", out])
+        _one_line(capsys, code, f"--out {out}", "kept epochs")
+    assert _files(two / "a") == before
+    # beside the run under another name, or a folder that holds no run: written
+    assert main(["average", *inputs, "--out", "a/average.safetensors"]) == 0
+    assert main(["average", *inputs, "--out", "c/last.safetensors"]) == 0
+    assert (two / "a" / "average.safetensors").is_file() and (two / "c/last.safetensors").is_file()
