@@ -7,6 +7,7 @@ EMA."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 
@@ -14,6 +15,7 @@ import pytest
 from test_train import FAST
 
 from lgvit.cli import main
+from lgvit.run.kept import KEPT_DIR, KEPT_INDEX
 
 SYN = ["train", *FAST, "--data", "synthetic", "--amp", "none"]
 
@@ -99,3 +101,18 @@ def test_average_out_over_a_runs_checkpoint_or_kept_epochs_is_refused(two, capsy
     assert main(["average", *inputs, "--out", "a/average.safetensors"]) == 0
     assert main(["average", *inputs, "--out", "c/last.safetensors"]) == 0
     assert (two / "a" / "average.safetensors").is_file() and (two / "c/last.safetensors").is_file()
+
+
+# ------------------------------------------------------------------ 14: an empty kept.json
+
+
+def test_an_empty_kept_index_is_named(tmp_path, capsys):
+    """It said "nothing to average: no checkpoints given"."""
+    (tmp_path / KEPT_DIR).mkdir()
+    index = tmp_path / KEPT_DIR / KEPT_INDEX
+    index.write_text("[]")
+    out = tmp_path / "avg.safetensors"
+    code = main(["average", str(tmp_path), "--out", str(out)])
+    _one_line(capsys, code, str(index), "lists no epochs")
+    assert not out.exists()
+    assert json.loads(index.read_text()) == []

@@ -32,8 +32,8 @@ def _name(epoch: int, ema: bool) -> str:
 
 def kept_checkpoints(out: str | Path) -> list[dict[str, Any]]:
     """The kept epochs of run directory ``out``, best first: ``epoch`` (from 0), ``metric``,
-    ``weights`` and ``ema`` (paths; ``ema`` None without an EMA). A run without them, or a
-    damaged index, is one line."""
+    ``weights`` and ``ema`` (paths; ``ema`` None without an EMA). A run without them, an
+    empty or a damaged index, is one line."""
     index = Path(out) / KEPT_DIR / KEPT_INDEX
     if not index.is_file():
         raise LgvitError(
@@ -53,6 +53,9 @@ def kept_checkpoints(out: str | Path) -> list[dict[str, Any]]:
         ]
     except (ValueError, TypeError, KeyError) as e:
         raise LgvitError(f"{index}: not a kept-checkpoint index ({e})") from None
+    if not kept:  # written by hand, or emptied: "no checkpoints given" would blame the command
+        raise LgvitError(f"{index} lists no epochs: the run kept none to average; name the "
+                         "checkpoint files to average instead")  # fmt: skip
     return kept
 
 
