@@ -193,9 +193,12 @@ def _kind(feature: Any) -> str:
     return str(getattr(feature, "dtype", type(feature).__name__))
 
 
-def _labels(ds: Any, data_dir: str, split: str, key: str) -> tuple[np.ndarray, list[str] | None]:
-    """The label column alone (no image read), -1 where a row has none; the class names its
-    ``ClassLabel`` feature gives."""
+def _labels(
+    ds: Any, data_dir: str, split: str, key: str
+) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
+    """The label column alone (no image read): its values (int64, or uint64 for an unsigned
+    type, so every integer type's values are exact), which rows have no label (null), and the
+    class names its ``ClassLabel`` feature gives."""
     import pyarrow as pa
 
     d = _datasets()
@@ -204,15 +207,24 @@ def _labels(ds: Any, data_dir: str, split: str, key: str) -> tuple[np.ndarray, l
     if not pa.types.is_integer(column.type):
         raise LgvitError(f"hfds {data_dir}: column {key!r} of split {split} holds "
                          f"{_kind(feature)}, not integer labels (--target-key)")  # fmt: skip
-    values = column.fill_null(-1).to_numpy().astype(np.int64)  # ClassLabel's -1: no label too
-    return values, list(feature.names) if isinstance(feature, d.ClassLabel) else None
+    missing = column.is_null().to_numpy(zero_copy_only=False)
+    wide = pa.uint64() if pa.types.is_unsigned_integer(column.type) else pa.int64()
+    # 0 fills the nulls (any integer type holds it, unlike -1), masked by ``missing``
+    values = column.fill_null(0).cast(wide).to_numpy(zero_copy_only=False)
+    return values, missing, list(feature.names) if isinstance(feature, d.ClassLabel) else None
 
 
-def _unusable(split: str, values: np.ndarray, k: int) -> list[str]:
+def _bad(values: np.ndarray, missing: np.ndarray, k: int) -> np.ndarray:
+    """Rows without a usable label: none (null, or ClassLabel's -1), or outside 0..k-1."""
+    bad = missing | (values >= k)
+    return bad | (values < 0) if values.dtype.kind == "i" else bad  # uint64: never below 0
+
+
+def _unusable(split: str, values: np.ndarray, missing: np.ndarray, k: int) -> list[str]:
     """Rows without a usable label, named with why."""
-    return [f"{split}[{r}]: no label" if values[r] == -1 else
+    return [f"{split}[{r}]: no label" if missing[r] or values[r] == -1 else
             f"{split}[{r}]: label {values[r]} outside 0..{k - 1}"
-            for r in np.flatnonzero((values < 0) | (values >= k)).tolist()]  # fmt: skip
+            for r in np.flatnonzero(_bad(values, missing, k)).tolist()]  # fmt: skip
 
 
 def _read_split(
@@ -230,13 +242,19 @@ def _read_split(
             raise LgvitError(f"hfds {data_dir}: no column {key!r} in split {split} (columns: "
                              f"{', '.join(ds.column_names)})")  # fmt: skip
     images = _images(ds, data_dir, split, image_key)
-    values, names = _labels(ds, data_dir, split, label_key)
-    classes = classes or names or [str(i) for i in range(int(values.max(initial=-1)) + 1)]
-    left_out = _unusable(split, values, len(classes))
+    values, missing, names = _labels(ds, data_dir, split, label_key)
+    classes = classes or names or [str(i) for i in range(_largest(values, missing) + 1)]
+    left_out = _unusable(split, values, missing, len(classes))
     _check_left_out(data_dir, split, left_out, len(values), max_bad_fraction)
-    rows = np.flatnonzero((values >= 0) & (values < len(classes)))
-    labels = torch.from_numpy(values[rows])
+    rows = np.flatnonzero(~_bad(values, missing, len(classes)))
+    labels = torch.from_numpy(values[rows].astype(np.int64))  # all in 0..K-1 now
     return HFImageSet(split, images, image_key, rows, labels, list(classes)), left_out
+
+
+def _largest(values: np.ndarray, missing: np.ndarray) -> int:
+    """The largest label present, -1 where there is none."""
+    present = values[~missing]
+    return int(present.max()) if present.size else -1
 
 
 def _check_left_out(

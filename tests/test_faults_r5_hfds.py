@@ -1,0 +1,111 @@
+"""Faults and bad input, round five: Hugging Face datasets on disk (``--data hfds``). Every
+integer label type reads as written (a non-integer one is one line), a label that would size the
+head past ``MAX_CLASSES`` is refused naming its row, splits whose ``ClassLabel`` names differ are
+refused (training and ``lgvit eval``), and a folder holding one saved ``Dataset`` is the split
+``lgvit eval`` reads, and one line for ``lgvit train``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_hfds import CLASSES, hf_cache, splits_of, toy  # noqa: F401 (hf_cache: autouse)
+from test_train import FAST
+
+from lgvit.cli import main
+
+datasets = pytest.importorskip("datasets")
+
+from datasets.table import InMemoryTable  # noqa: E402
+
+INT_TYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quiet():
+    """No progress bars on stderr, where the tests read the command's error line."""
+    datasets.disable_progress_bars()
+    yield
+    datasets.enable_progress_bars()
+
+
+def _save(folder: Path, train, validation) -> Path:
+    datasets.DatasetDict(train=train, validation=validation).save_to_disk(str(folder))
+    return folder
+
+
+def with_labels(n: int, labels: list, dtype: str, start: int = 0):
+    """``toy(n)`` whose label column is ``labels`` as that arrow type, built by pyarrow (the
+    ``datasets`` writer cannot take a uint64 above the int64 range)."""
+    pa = pytest.importorskip("pyarrow")
+    table = toy(n, start=start, labels=[0] * n, label_feature=datasets.Value(dtype)).data.table
+    column = pa.array(labels, getattr(pa, dtype)())
+    return datasets.Dataset(InMemoryTable(table.set_column(1, "label", column)))
+
+
+def _train(data_dir: Path, out: Path, *extra: str) -> int:
+    return main(["train", *FAST, "--batch-size", "4", "--data", "hfds", "--data-dir",
+                 str(data_dir), "--epochs", "1", "--out", str(out), "--set", "workers=0",
+                 *extra])  # fmt: skip
+
+
+def _eval(checkpoint: Path, data_dir: Path, *extra: str) -> int:
+    return main(["eval", "--checkpoint", str(checkpoint), "--data", "hfds", "--data-dir",
+                 str(data_dir), "--batch-size", "4", "-j", "0", *extra])  # fmt: skip
+
+
+def _error(capsys: pytest.CaptureFixture, cmd: str) -> str:
+    """The command's one error line (and that it is the only thing on stderr)."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"lgvit {cmd}: error: "), err
+    return err[0].removeprefix(f"lgvit {cmd}: error: ")
+
+
+# ------------------------------------------------------------------------ item 8: label types
+
+
+@pytest.mark.parametrize("dtype", [*INT_TYPES, "ClassLabel"])
+def test_every_integer_label_type_reads_as_written(tmp_path, dtype):
+    feature = datasets.ClassLabel(names=CLASSES) if dtype == "ClassLabel" else datasets.Value(dtype)
+    train = toy(6, labels=[0, 2, None, 1, 2, 0], label_feature=feature)
+    d = _save(tmp_path / "d", train, toy(3, start=50, labels=[2, 1, 0], label_feature=feature))
+    sp = splits_of(d, max_bad_fraction=0.5)
+    assert sp.skipped == ["train[2]: no label"]
+    assert sp.train.labels.dtype == torch.int64 and sp.train.labels.tolist() == [0, 2, 1, 2, 0]
+    assert [sp.train.name(i) for i in range(5)] == [f"train[{r}]" for r in (0, 1, 3, 4, 5)]
+    assert sp.test.labels.tolist() == [2, 1, 0]
+    assert sp.train.classes == (CLASSES if dtype == "ClassLabel" else ["0", "1", "2"])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint64"])
+def test_extreme_labels_of_a_type_are_named_exactly(tmp_path, dtype):
+    """The type's extremes left out as what they are (not wrapped, not saturated)."""
+    extreme = -128 if dtype == "int8" else 2**64 - 1
+    train = toy(6, labels=[0, 1, 2, 0, 1, 2], label_feature=datasets.Value(dtype))
+    val = with_labels(4, [2, extreme, 1, 0], dtype, start=50)
+    sp = splits_of(_save(tmp_path / "d", train, val), max_bad_fraction=0.5)
+    assert sp.skipped == [f"validation[1]: label {extreme} outside 0..2"]
+    assert sp.test.labels.tolist() == [2, 1, 0]
+
+
+def test_uint8_labels_train_and_evaluate_through_the_cli(tmp_path, capsys):
+    u8 = datasets.Value("uint8")
+    train = toy(8, labels=[i % 3 for i in range(8)], label_feature=u8)
+    d = _save(tmp_path / "d", train, toy(4, start=50, labels=[2, 1, 0, 2], label_feature=u8))
+    assert _train(d, tmp_path / "run") == 0
+    assert "8 train / 4 test images, 3 classes" in capsys.readouterr().out
+    assert _eval(tmp_path / "run" / "last.safetensors", d) == 0
+    assert "(4 test images)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", ["string", "float32", "float64", "bool"])
+def test_a_non_integer_label_column_is_one_line_naming_it_and_its_type(tmp_path, capsys, dtype):
+    value = {"string": "cat", "float32": 1.0, "float64": 1.5, "bool": True}[dtype]
+    feature = datasets.Value(dtype)
+    d = _save(tmp_path / "d", toy(4, labels=[value] * 4, label_feature=feature),
+              toy(2, labels=[value] * 2, label_feature=feature))  # fmt: skip
+    assert _train(d, tmp_path / "run") == 2
+    assert _error(capsys, "train") == (f"hfds {d}: column 'label' of split train holds "
+                                       f"{dtype}, not integer labels (--target-key)")  # fmt: skip
+    assert not (tmp_path / "run").exists()
