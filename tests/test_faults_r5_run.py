@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import warnings
 
 import pytest
-from test_train import FAST
+from test_train import ENV, FAST
 
 from lgvit.cli import main
 from lgvit.run.kept import KEPT_DIR, KEPT_INDEX
@@ -36,6 +38,13 @@ def run(tmp_path_factory):
 
 def _files(folder) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def _lgvit(*args: str, env: dict[str, str] | None = None, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lgvit", *args],
+        capture_output=True, text=True, env=env or ENV, cwd=cwd, timeout=300,
+    )  # fmt: skip
 
 
 def _one_line(capsys, code: int, *needles: str) -> str:
@@ -116,3 +125,29 @@ def test_an_empty_kept_index_is_named(tmp_path, capsys):
     _one_line(capsys, code, str(index), "lists no epochs")
     assert not out.exists()
     assert json.loads(index.read_text()) == []
+
+
+# --------------------------------------------------------------- 9: W&B without credentials
+
+
+def _no_wandb_env(home) -> dict[str, str]:
+    """The test's environment without W&B credentials: an empty HOME (no ~/.netrc, no
+    ~/.config/wandb), no WANDB_* variable."""
+    drop = ("NETRC", "XDG_CONFIG_HOME")
+    env = {k: v for k, v in ENV.items() if not k.startswith("WANDB_") and k not in drop}
+    return {**env, "HOME": str(home)}
+
+
+def test_wandb_without_credentials_is_one_line_before_anything_is_written(tmp_path):
+    """It was wandb's UsageError traceback, after the run's config and log were written."""
+    pytest.importorskip("wandb")
+    home, out = tmp_path / "home", tmp_path / "run"
+    home.mkdir()
+    args = [*SYN[1:], "--iters", "2", "--set", "log_to=[wandb]", "--out", str(out)]
+    p = _lgvit("train", *args, env=_no_wandb_env(home), cwd=tmp_path)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    for needle in ("log_to wandb", "wandb login", "WANDB_API_KEY", "WANDB_MODE=offline"):
+        assert needle in lines[0], lines[0]
+    assert not out.exists() and not any(home.iterdir())
+    assert not (tmp_path / "wandb").exists()

@@ -20,16 +20,18 @@ from pathlib import Path
 from typing import Any
 
 from lgvit.core.atomic import atomic_write_bytes
-from lgvit.core.errors import LgvitError
+from lgvit.core.errors import LgvitError, first_line
 
 LOGGERS = ("tensorboard", "wandb")  # the values log_to takes
 TENSORBOARD_DIR = "tensorboard"  # <out>/tensorboard: tensorboard --logdir runs/
 WANDB_ID = "wandb_id"  # <out>/wandb_id: the W&B run a resume continues
 
 
-def check_loggers(names: Sequence[str]) -> None:
-    """Each logger's package is installed: one line naming the extra otherwise (checked when
-    the run starts, not at its first log line)."""
+def check_loggers(names: Sequence[str], out: Path | None = None) -> None:
+    """Each logger can start: its package is installed (one line naming the extra otherwise),
+    W&B has credentials or runs offline, and ``<out>/tensorboard`` can be written (when ``out``
+    is given). Checked when the run starts, before it writes anything, not at its first log
+    line."""
     for name in names:
         module = "torch.utils.tensorboard" if name == "tensorboard" else "wandb"
         try:
@@ -39,6 +41,35 @@ def check_loggers(names: Sequence[str]) -> None:
             raise LgvitError(
                 f"log_to {name} needs the {package} package: pip install 'lgvit[{package}]'"
             ) from None
+    if "wandb" in names:
+        _check_wandb_login()
+
+
+def _check_wandb_login() -> None:
+    """W&B online without credentials: ``wandb.init`` raises its UsageError (a traceback) once
+    the run has started. Its own resolution, without the network: the mode from the
+    environment and settings files, then the key from WANDB_API_KEY, an identity token,
+    ``~/.netrc`` or its settings (nothing is verified against the server)."""
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib.wbauth import authenticate
+    except ImportError:  # a wandb of another layout: wandb.init says it in its own words
+        return
+    try:
+        settings = wandb_setup.singleton().settings
+        if settings.mode in ("offline", "dryrun", "disabled"):
+            return
+        auth = authenticate.authenticate_session(
+            host=settings.base_url, source="lgvit", prompt=False, update_session=False
+        )
+    except Exception as e:  # noqa: BLE001 -- a malformed key or settings file: one line
+        raise LgvitError(f"log_to wandb: {type(e).__name__}: {first_line(e)}") from None
+    if auth is None:
+        raise LgvitError(
+            "log_to wandb: no W&B credentials (WANDB_API_KEY, ~/.netrc): log in with `wandb "
+            "login` or set WANDB_API_KEY, or log offline with WANDB_MODE=offline (`wandb sync` "
+            "uploads the run later)"
+        )
 
 
 class RunLoggers:
