@@ -8,6 +8,7 @@ EMA."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -151,3 +152,33 @@ def test_wandb_without_credentials_is_one_line_before_anything_is_written(tmp_pa
         assert needle in lines[0], lines[0]
     assert not out.exists() and not any(home.iterdir())
     assert not (tmp_path / "wandb").exists()
+
+
+# ------------------------------------------------------- 10: a TensorBoard folder unwritable
+
+
+def test_a_tensorboard_folder_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    """A file where ``<out>/tensorboard`` goes: the run wrote its config and log, then failed
+    at the writer (unwritable: a writer-thread traceback interleaved with the error line)."""
+    pytest.importorskip("torch.utils.tensorboard")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tensorboard").write_text("not a folder")
+    code = main([*SYN, "--iters", "2", "--set", "log_to=[tensorboard]", "--out", str(out)])
+    _one_line(capsys, code, f"log_to tensorboard: {out / 'tensorboard'}", "not a folder")
+    assert sorted(p.name for p in out.iterdir()) == ["tensorboard"]
+
+
+def test_a_tensorboard_folder_without_write_permission_is_one_line(tmp_path, capsys):
+    pytest.importorskip("torch.utils.tensorboard")
+    out = tmp_path / "run"
+    (out / "tensorboard").mkdir(parents=True)
+    (out / "tensorboard").chmod(0o500)
+    try:
+        if os.access(out / "tensorboard", os.W_OK):
+            pytest.skip("this user (root) writes in a folder without write permission")
+        code = main([*SYN, "--iters", "2", "--set", "log_to=[tensorboard]", "--out", str(out)])
+        _one_line(capsys, code, f"log_to tensorboard: cannot write in {out / 'tensorboard'}")
+        assert sorted(p.name for p in out.iterdir()) == ["tensorboard"]
+    finally:
+        (out / "tensorboard").chmod(0o700)

@@ -517,7 +517,7 @@ def _start(
     ctl.cfg = cfg
     set_numerics(d.device, cfg.tf32, cfg.deterministic)  # before the run's first matmul
     if d.main:
-        check_loggers(cfg.log_to)  # a missing package: refused before anything is written
+        check_loggers(cfg.log_to, out)  # refused before anything is written
     if d.main:
         if lock.note:
             log(f"{out}: {lock.note}", console=True)

@@ -14,6 +14,7 @@ checkpoint keep their first values there).
 from __future__ import annotations
 
 import math
+import os
 import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,8 +42,29 @@ def check_loggers(names: Sequence[str], out: Path | None = None) -> None:
             raise LgvitError(
                 f"log_to {name} needs the {package} package: pip install 'lgvit[{package}]'"
             ) from None
+    if "tensorboard" in names and out is not None:
+        _check_tensorboard_dir(Path(out) / TENSORBOARD_DIR)
     if "wandb" in names:
         _check_wandb_login()
+
+
+def _check_tensorboard_dir(folder: Path) -> None:
+    """TensorBoard's writer makes its folder and writes its event file on a thread of its own:
+    a folder it cannot write is a traceback from that thread, interleaved with the run's error
+    line. Checked here instead, without creating anything."""
+    if folder.exists() and not folder.is_dir():
+        raise LgvitError(f"log_to tensorboard: {folder} is not a folder (a file is there); move "
+                         "it away, or use another --out")  # fmt: skip
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise LgvitError(f"log_to tensorboard: {folder} cannot be created ({existing} is a "
+                         "file)")  # fmt: skip
+    if not os.access(existing, os.W_OK | os.X_OK):
+        why = "" if existing == folder else f": {existing} is not writable"
+        verb = "write in" if existing == folder else "create"
+        raise LgvitError(f"log_to tensorboard: cannot {verb} {folder}{why} (permission denied)")
 
 
 def _check_wandb_login() -> None:
