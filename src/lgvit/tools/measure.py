@@ -1,15 +1,18 @@
-"""Measuring models the way the paper tables do: params, MACs, throughput, memory."""
+"""Measuring models the way the paper tables do: params, MACs, throughput, memory; how busy a
+step keeps the device; and whether two devices compute the same model (IEEE fp32, the gradient
+agreement rule)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import multiprocessing as mp
+import os
 import re
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -188,12 +191,15 @@ def make_step(
     fused: bool = True,
     device: torch.device | str = "cpu",
     channels_last: bool = False,
+    cudagraphs: bool = False,
 ) -> Callable[[], None]:
     """One inference batch (``inference_mode``) or one training step (forward, cross-entropy,
     backward, optimizer step), on random data of the model's input size, under autocast to
     ``amp_dtype`` on ``device`` when given. ``fused``: the optimizer training builds
     (:func:`train_optimizer`: fused AdamW); False: the multi-tensor AdamW of a plain script.
     ``channels_last``: the input batch in that memory format (for a model converted to it).
+    ``cudagraphs``: each call starts a new CUDA-graph step (``torch.compile``'s
+    ``reduce-overhead`` mode replays graphs whose outputs the next step may overwrite).
 
     The model's mode is set on every call, so one model can serve both kinds of step.
     """
@@ -202,9 +208,11 @@ def make_step(
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+    mark = torch.compiler.cudagraph_mark_step_begin if cudagraphs else lambda: None
     if not train:
 
         def infer() -> None:
+            mark()
             model.eval()
             with torch.inference_mode(), amp:
                 model(x)
@@ -220,6 +228,7 @@ def make_step(
     scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
 
     def step() -> None:
+        mark()
         model.train()
         with amp:
             loss = F.cross_entropy(model(x), y)
@@ -324,3 +333,164 @@ def cpu_bf16_note() -> str:
 
     flag = cpu_bf16_support()
     return f"native bf16: {flag}" if flag else "bf16 emulated"
+
+
+# ------------------------------------------------------------------------ how busy a step is
+
+
+def busy_fraction(
+    fn: Callable[[], Any], device: torch.device | str = "cpu", steps: int = 2
+) -> float | None:
+    """The share of the wall time of ``steps`` calls of ``fn`` that the device is busy, from a
+    ``torch.profiler`` trace: on CUDA the union of the kernels' intervals (only CUDA activity is
+    traced, so the host pays no per-op tracing), on the CPU the union of the torch ops'
+    intervals (the host's equivalent: the rest is Python and framework overhead). A step far
+    under 1 on CUDA is bound by the host's launches, not by the GPU. None where the trace holds
+    no activity of the device (a profiler build without CUDA support)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # kineto's progress lines on stderr: errors only
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    sync = device_sync(device)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        sync()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == kind]
+    return busy_share(spans, wall_us)
+
+
+def busy_share(spans: list[tuple[float, float]], wall: float) -> float | None:
+    """The length of the union of ``spans`` (start, end) over ``wall`` (same unit), at most 1:
+    overlapping kernels (several streams) or nested ops count once. None without spans."""
+    if not spans or wall <= 0:
+        return None
+    busy, end = 0.0, -math.inf
+    for s, e in sorted(spans):
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return min(1.0, busy / wall)
+
+
+# ----------------------------------------------------------------- agreement between devices
+
+# The rule both benchmarks/gpu_check.py (part a) and tests/test_device.py compare a device's
+# fp32 logits and gradients against the CPU's by. Calibrated on fp32's own error: every family
+# in float32 against float64 on the CPU is at most 1e-5 off (tests/test_agreement.py), so 1e-3
+# leaves a GPU's different summation order a factor 100 and still fails a tensor 10% wrong.
+LOGITS_TOL = 1e-3
+GRAD_TOL = 1e-3
+# A tensor's error is taken relative to its own gradient, but to no less than this share of the
+# whole gradient's norm: a gradient that is zero in exact arithmetic (a bias feeding a
+# BatchNorm) is rounding noise on both devices, and its relative error means nothing.
+GRAD_FLOOR = 1e-3
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``||got - want|| / ||want||`` in float64 on the CPU (inf where ``want`` is zero and
+    ``got`` is not)."""
+    a, b = got.detach().double().cpu(), want.detach().double().cpu()
+    diff, size = float((a - b).norm()), float(b.norm())
+    return diff / size if size else (0.0 if diff == 0 else math.inf)
+
+
+def grad_errors(
+    got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], floor: float = GRAD_FLOOR
+) -> dict[str, float]:
+    """Each gradient's error against the reference ``want``: ``||got - want||`` over
+    ``max(||want||, floor * ||all of want||)``, in float64 on the CPU. A missing or extra
+    tensor is a ``ValueError`` naming it."""
+    if got.keys() != want.keys():
+        odd = sorted(set(got) ^ set(want))
+        raise ValueError(f"the gradients name different tensors: {', '.join(odd[:5])}")
+    ref = {k: v.detach().double().cpu() for k, v in want.items()}
+    total = math.sqrt(sum(float(v.square().sum()) for v in ref.values()))
+    out = {}
+    for k, v in ref.items():
+        diff = float((got[k].detach().double().cpu() - v).norm())
+        size = max(float(v.norm()), floor * total)
+        out[k] = diff / size if size else (0.0 if diff == 0 else math.inf)
+    return out
+
+
+def worst_grad_error(
+    got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], floor: float = GRAD_FLOOR
+) -> tuple[float, str]:
+    """The largest of :func:`grad_errors` and the tensor it belongs to; the gradients agree
+    when it is under :data:`GRAD_TOL`."""
+    errors = grad_errors(got, want, floor)
+    name = max(errors, key=errors.__getitem__)
+    return errors[name], name
+
+
+@contextlib.contextmanager
+def ieee_fp32() -> Iterator[None]:
+    """fp32 matmuls and convolutions in IEEE fp32 on CUDA (TF32 off for cuBLAS and cuDNN,
+    matmul precision ``highest``) inside the block, every setting restored after. TF32's 10-bit
+    mantissa would put a 1e-2 error between a GPU and the CPU that no kernel is to blame for.
+    torch>=2.9 refuses to read the legacy flags back once its per-backend ``fp32_precision``
+    settings have been written: then those are saved and restored instead (writing them back
+    would leave the legacy flags unreadable to code that reads them, such as a run's start)."""
+    saved = _fp32_settings()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        _restore_fp32_settings(saved)
+
+
+# torch>=2.9's per-backend settings, the generic one first (it is the specific ones' default).
+_FP32_PRECISION = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn",
+                   "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")  # fmt: skip
+
+
+def _backend(path: str) -> Any:
+    obj = torch.backends
+    for part in filter(None, path.split(".")):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _fp32_settings() -> tuple[str, Any]:
+    try:  # the legacy flags while they read back: writing them keeps them readable
+        legacy = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+                  torch.get_float32_matmul_precision())  # fmt: skip
+        return "legacy", legacy
+    except RuntimeError:  # written through the per-backend API (torch>=2.9): save that one
+        found = {p: _backend(p).fp32_precision for p in _FP32_PRECISION
+                 if hasattr(_backend(p), "fp32_precision")}  # fmt: skip
+        return "per-backend", found
+
+
+def _restore_fp32_settings(saved: tuple[str, Any]) -> None:
+    kind, values = saved
+    if kind == "legacy":
+        matmul_tf32, cudnn_tf32, precision = values
+        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32  # before the precision it implies
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+        torch.set_float32_matmul_precision(precision)
+        return
+    for path, value in values.items():  # the generic one first: the others' default
+        _backend(path).fp32_precision = value
+
+
+def without_randomness(model: nn.Module) -> nn.Module:
+    """``model`` with its dropout, attention dropout and drop path at 0 (in place): a training
+    step the same on two devices, whose random streams differ, with batch statistics kept."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        if isinstance(getattr(m, "drop_prob", None), float):
+            m.drop_prob = 0.0
+        if isinstance(getattr(m, "attn_drop", None), float):
+            m.attn_drop = 0.0
+    return model
