@@ -54,6 +54,9 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "device: runs on LGVIT_TEST_DEVICE (cpu or cuda)")
+    # The slow device tests, which gpu_check's part b runs after the rest.
+    config.addinivalue_line("markers", "ddp: a device test with several processes")
+    config.addinivalue_line("markers", "dense: a device test of a dense task")
     if TEST_DEVICE not in TEST_DEVICES:
         raise pytest.UsageError(
             f"LGVIT_TEST_DEVICE={TEST_DEVICE!r}: must be one of {', '.join(TEST_DEVICES)}"

@@ -229,6 +229,7 @@ def test_batched_augmentation_on_the_device(device):
 # ------------------------------------------------------------------------------ processes
 
 
+@pytest.mark.ddp
 def test_two_ranks(device, tmp_path):
     """DDP with two processes (gloo on the CPU, NCCL on CUDA: one GPU each)."""
     if device == "cuda" and torch.cuda.device_count() < 2:
@@ -250,6 +251,7 @@ def test_two_ranks(device, tmp_path):
 # ------------------------------------------------------------------------------ dense tasks
 
 
+@pytest.mark.dense
 def test_segmentation_training_steps(device, tmp_path):
     """Semantic FPN through ``lgvit train --task segmentation``: two steps (an epoch at batch
     8) and the mIoU evaluation."""
@@ -261,6 +263,7 @@ def test_segmentation_training_steps(device, tmp_path):
     assert math.isfinite(row["train_loss"]) and 0 <= row["test_mIoU"] <= 100
 
 
+@pytest.mark.dense
 @pytest.mark.parametrize("kind", ["retinanet", "maskrcnn"])
 def test_detection_training_step(kind, device):
     """A detector's losses on the device: RetinaNet's as on the CPU (fp32; Mask R-CNN samples
