@@ -420,8 +420,7 @@ def _add_train(sub: Any) -> None:
                    "or a YAML file of config keys")  # fmt: skip
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--resume", help="'auto' (the last checkpoint in --out) or a checkpoint")
-    p.add_argument("--amp", choices=AMP_MODES, nargs="?", const="auto",
-                   help="mixed precision (a bare --amp, timm's flag, means auto)")  # fmt: skip
+    add_amp(p, None, "mixed precision")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--channels-last", action="store_true",
                    help="model and batches in the NHWC memory format (timm's flag)")  # fmt: skip
@@ -431,6 +430,12 @@ def _add_train(sub: Any) -> None:
         names = [flag, "-j"] if flag == "--workers" else [flag]
         p.add_argument(*names, type=kind, help=text)
     p.set_defaults(func=cmd_train)
+
+
+def add_amp(p: argparse.ArgumentParser, default: str | None, text: str) -> None:
+    """``--amp`` as train and eval take it: a mode, or bare (timm's flag) for auto."""
+    p.add_argument("--amp", choices=AMP_MODES, nargs="?", const="auto", default=default,
+                   help=f"{text} (a bare --amp, timm's flag, means auto)")  # fmt: skip
 
 
 def _add_configs(sub: Any) -> None:
@@ -468,9 +473,8 @@ def _add_eval(sub: Any) -> None:
     p.add_argument("--data-dir")
     # Full precision unless asked: the figure papers and timm's validate.py report, the same on
     # every machine (bf16 autocast moved a detector's AP50 from 21.48 to 18.39).
-    p.add_argument("--amp", choices=AMP_MODES, default="none",
-                   help="none: fp32 (default); auto: bf16 autocast where the device runs it "
-                   "fast; bf16; fp16 (CUDA)")  # fmt: skip
+    add_amp(p, "none", "none: fp32 (default); auto: bf16 autocast where the device runs it "
+            "fast; bf16; fp16 (CUDA)")  # fmt: skip
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: CUDA if any)")
     p.add_argument("--json", action="store_true")
     add_task_flags(p, "eval")
