@@ -14,6 +14,8 @@ from test_hfds import CLASSES, hf_cache, splits_of, toy  # noqa: F401 (hf_cache:
 from test_train import FAST
 
 from lgvit.cli import main
+from lgvit.core.constants import MAX_CLASSES
+from lgvit.core.errors import LgvitError
 
 datasets = pytest.importorskip("datasets")
 
@@ -109,3 +111,58 @@ def test_a_non_integer_label_column_is_one_line_naming_it_and_its_type(tmp_path,
     assert _error(capsys, "train") == (f"hfds {d}: column 'label' of split train holds "
                                        f"{dtype}, not integer labels (--target-key)")  # fmt: skip
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------ item 6: MAX_CLASSES
+
+
+def _plain(n: int, labels: list, start: int = 0):
+    return toy(n, start=start, labels=labels, label_feature=datasets.Value("int64"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A run trained on ClassLabel [cat, dog, fox] (its checkpoint records those names)."""
+    root = tmp_path_factory.mktemp("trained")
+    names = datasets.ClassLabel(names=["cat", "dog", "fox"])
+    d = _save(root / "d", toy(8, label_feature=names), toy(4, start=50, label_feature=names))
+    assert _train(d, root / "run") == 0
+    return root / "run" / "last.safetensors"
+
+
+@pytest.mark.parametrize("label", [MAX_CLASSES, 10**12], ids=["max", "1e12"])
+def test_a_label_past_max_classes_is_refused_naming_its_row(tmp_path, capsys, label):
+    """Without a ClassLabel the head is sized by the largest label: 0..MAX_CLASSES - 1 is the
+    most (before: a head of label + 1 classes, killed by memory at 10**12)."""
+    d = _save(tmp_path / "d", _plain(6, [0, 1, 2, label, 1, 2]), _plain(3, [2, 1, 0], 50))
+    assert _train(d, tmp_path / "run") == 2
+    assert _error(capsys, "train") == (
+        f"hfds {d}: label {label} of train[3] would make {label + 1} classes, more than "
+        f"MAX_CLASSES ({MAX_CLASSES}; without a ClassLabel the classes are 0..the largest label)"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_largest_labels_allowed_and_the_extremes_refused(tmp_path):
+    top = MAX_CLASSES - 1
+    sp = splits_of(_save(tmp_path / "ok", _plain(3, [0, top, 1]), _plain(2, [top, 0], 50)))
+    assert len(sp.train.classes) == MAX_CLASSES and sp.test.labels.tolist() == [top, 0]
+    huge = _save(tmp_path / "u64", with_labels(3, [0, 2**64 - 1, 1], "uint64"), _plain(2, [0, 1]))
+    with pytest.raises(LgvitError, match=rf"^hfds {huge}: label {2**64 - 1} of train\[1\] would "
+                       rf"make {2**64} classes, more than MAX_CLASSES"):  # fmt: skip
+        splits_of(huge)
+    declared = datasets.ClassLabel(num_classes=MAX_CLASSES + 1)
+    wide = _save(tmp_path / "wide", toy(2, label_feature=declared), toy(2, label_feature=declared))
+    with pytest.raises(LgvitError) as e:
+        splits_of(wide)
+    assert str(e.value) == (f"hfds {wide}: column 'label' of split train declares "
+                            f"{MAX_CLASSES + 1} classes (ClassLabel), more than MAX_CLASSES "
+                            f"({MAX_CLASSES})")  # fmt: skip
+
+
+def test_eval_refuses_a_label_past_max_classes_naming_its_row(tmp_path, capsys, checkpoint):
+    d = _save(tmp_path / "d", _plain(3, [0, 1, 2]), _plain(4, [2, 1, 10**12, 0], 50))
+    assert _eval(checkpoint, d) == 2
+    assert _error(capsys, "eval").startswith(
+        f"hfds {d}: label {10**12} of validation[2] would make {10**12 + 1} classes"
+    )

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from lgvit.core.constants import IMAGENET_MEAN, IMAGENET_STD
+from lgvit.core.constants import IMAGENET_MEAN, IMAGENET_STD, MAX_CLASSES
 from lgvit.core.errors import LgvitError, first_line
 from lgvit.data.decode import load_rgb
 from lgvit.data.splits import DatasetSplits
@@ -243,7 +243,11 @@ def _read_split(
                              f"{', '.join(ds.column_names)})")  # fmt: skip
     images = _images(ds, data_dir, split, image_key)
     values, missing, names = _labels(ds, data_dir, split, label_key)
-    classes = classes or names or [str(i) for i in range(_largest(values, missing) + 1)]
+    classes = classes or names or _numbered(data_dir, split, values, missing)
+    if len(classes) > MAX_CLASSES:  # a ClassLabel's declared count (the head is sized by it)
+        raise LgvitError(f"hfds {data_dir}: column {label_key!r} of split {split} declares "
+                         f"{len(classes)} classes (ClassLabel), more than MAX_CLASSES "
+                         f"({MAX_CLASSES})")  # fmt: skip
     left_out = _unusable(split, values, missing, len(classes))
     _check_left_out(data_dir, split, left_out, len(values), max_bad_fraction)
     rows = np.flatnonzero(~_bad(values, missing, len(classes)))
@@ -251,10 +255,17 @@ def _read_split(
     return HFImageSet(split, images, image_key, rows, labels, list(classes)), left_out
 
 
-def _largest(values: np.ndarray, missing: np.ndarray) -> int:
-    """The largest label present, -1 where there is none."""
+def _numbered(data_dir: str, split: str, values: np.ndarray, missing: np.ndarray) -> list[str]:
+    """Classes 0..K-1 without a ClassLabel, K the largest label + 1: at most MAX_CLASSES, so
+    one stray label cannot size the head (the first row past it is named)."""
     present = values[~missing]
-    return int(present.max()) if present.size else -1
+    top = int(present.max()) if present.size else -1
+    if top >= MAX_CLASSES:
+        row = int(np.flatnonzero(~missing & (values >= MAX_CLASSES))[0])
+        raise LgvitError(f"hfds {data_dir}: label {values[row]} of {split}[{row}] would make "
+                         f"{int(values[row]) + 1} classes, more than MAX_CLASSES ({MAX_CLASSES}; "
+                         "without a ClassLabel the classes are 0..the largest label)")  # fmt: skip
+    return [str(i) for i in range(top + 1)]
 
 
 def _check_left_out(
