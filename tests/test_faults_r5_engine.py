@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import lgvit
@@ -38,3 +39,28 @@ def test_eval_takes_a_bare_amp_as_train_does(tmp_path, capsys):
         assert json.loads(out)["precision"] == auto  # bare: auto, as train's --amp
     code, out, err = _cli(capsys, *base, "--json")
     assert code == 0 and json.loads(out)["precision"] == precision_name(None)  # default: fp32
+
+
+# ------------------------------------------------------------- also: timm reads an lgvit folder
+
+
+def test_timm_builds_its_own_architecture_from_an_lgvit_folder(tmp_path):
+    """An lgvit folder naming one of timm's architectures that takes no ``img_size`` (a
+    ConvNeXt): timm read lgvit's ``fixed_input_size`` as "pass img_size" and raised a
+    TypeError; lgvit's own models never needed it from the folder."""
+    timm = pytest.importorskip("timm")
+    from safetensors.torch import save_file
+
+    folder = lgvit.create_model("lsa_micro_cifar", num_classes=3).save_pretrained(tmp_path / "hf")
+    ours = timm.create_model(f"local-dir:{folder}", pretrained=True)  # lgvit's, through timm
+    assert ours.model_name == "lsa_micro_cifar" and ours.pretrained_cfg["fixed_input_size"]
+    torch.manual_seed(0)
+    theirs = timm.create_model("test_convnext", num_classes=3).eval()
+    save_file(theirs.state_dict(), folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architecture": "test_convnext"}))
+    m = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    assert type(m) is type(theirs) and m.num_classes == 3
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), theirs(x), rtol=0, atol=0)

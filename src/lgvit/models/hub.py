@@ -31,12 +31,15 @@ from lgvit.core.errors import LgvitError, first_line
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 # pretrained_cfg keys written to config.json: timm's only (timm builds its PretrainedCfg from
-# them, a TypeError on a key it lacks); the rest of ours stays in the package.
+# them, a TypeError on a key it lacks); the rest of ours stays in the package. Not
+# fixed_input_size: timm reads it as "the architecture takes img_size" and passes one to the
+# folder's architecture, which fails for one of timm's that takes none (lgvit's take it anyway,
+# and the model built carries it in its own pretrained_cfg).
 # Where released weights came from (timm's keys), kept so a folder's model card can say it.
 _SOURCE_KEYS = ("tag", "license", "origin_url", "paper_ids", "paper_name")
 _CFG_KEYS = (
     "input_size", "mean", "std", "crop_pct", "interpolation", "num_classes", "first_conv",
-    "classifier", "fixed_input_size", *_SOURCE_KEYS,
+    "classifier", *_SOURCE_KEYS,
 )  # fmt: skip
 # Written at config.json's top level: the class names where timm writes and reads them, and
 # lgvit's own keys, which timm does not read there. Folders lgvit wrote before held both inside
