@@ -166,3 +166,48 @@ def test_eval_refuses_a_label_past_max_classes_naming_its_row(tmp_path, capsys, 
     assert _error(capsys, "eval").startswith(
         f"hfds {d}: label {10**12} of validation[2] would make {10**12 + 1} classes"
     )
+
+
+# ------------------------------------------------------------------------ item 3: class order
+
+
+def _named(n: int, names: list[str], start: int = 0):
+    return toy(n, start=start, label_feature=datasets.ClassLabel(names=names))
+
+
+def test_splits_whose_class_labels_differ_are_refused(tmp_path, capsys):
+    """Label 0 is cat in one split and fox in the other: trained, the top-1 would cross them
+    (as imagefolder refuses train/ and val/ with different class folders)."""
+    d = _save(tmp_path / "d", _named(6, ["cat", "dog", "fox"]), _named(3, ["fox", "dog", "cat"]))
+    assert _train(d, tmp_path / "run") == 2
+    assert _error(capsys, "train") == (
+        f"hfds {d}: the ClassLabel classes of splits train and validation differ: train "
+        "[cat, dog, fox], validation [fox, dog, cat]"
+    )
+    assert not (tmp_path / "run").exists()
+    many = [f"c{i:02d}" for i in range(30)]
+    other = many[:17] + ["zebra"] + many[18:]
+    d = _save(tmp_path / "many", _named(4, many), _named(2, other))
+    with pytest.raises(LgvitError) as e:
+        splits_of(d)
+    assert str(e.value) == (f"hfds {d}: the ClassLabel classes of splits train and validation "
+                            "differ: class 17 is 'c17' in train and 'zebra' in validation (30 "
+                            "classes in each)")  # fmt: skip
+    d = _save(tmp_path / "fewer", _named(4, many), _named(2, many[:25]))
+    with pytest.raises(LgvitError, match=r"differ: class 25 is 'c25' in train and absent in "
+                       r"validation \(30 and 25 classes\)$"):  # fmt: skip
+        splits_of(d)
+    # a split without a ClassLabel has numbered labels: read as the other split's classes
+    d = _save(tmp_path / "plain", _named(6, ["cat", "dog", "fox"]), _plain(3, [2, 1, 0]))
+    assert splits_of(d).test.classes == ["cat", "dog", "fox"]
+
+
+def test_eval_refuses_data_whose_class_order_is_not_the_checkpoints(tmp_path, capsys, checkpoint):
+    d = _save(tmp_path / "d", _named(3, ["cat", "dog", "fox"]), _named(3, ["fox", "dog", "cat"]))
+    assert _eval(checkpoint, d) == 2
+    assert _error(capsys, "eval") == (
+        f"{checkpoint} was trained on classes [cat, dog, fox] but hfds has [fox, dog, cat]; pass "
+        "--any-classes to evaluate anyway (class i of the data is then class i of the model)"
+    )
+    assert _eval(checkpoint, d, "--any-classes") == 0
+    assert "(3 test images)" in capsys.readouterr().out

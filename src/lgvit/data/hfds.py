@@ -229,11 +229,12 @@ def _unusable(split: str, values: np.ndarray, missing: np.ndarray, k: int) -> li
 
 def _read_split(
     source: Loaders, data_dir: str, split: str, input_key: str | None, target_key: str | None,
-    classes: list[str] | None, max_bad_fraction: float | None,
+    like: HFImageSet | None, max_bad_fraction: float | None,
 ) -> tuple[HFImageSet, list[str]]:  # fmt: skip
-    """A split and its rows left out. Classes: ``classes``, else the label feature's names,
-    else 0..K-1 for K the largest label + 1. More rows left out than ``max_bad_fraction`` is
-    one line (None: a warning)."""
+    """A split and its rows left out. Classes: those of ``like`` (the train split, whose label
+    feature's names, if any, must be this split's), else the label feature's names, else 0..K-1
+    for K the largest label + 1. More rows left out than ``max_bad_fraction`` is one line
+    (None: a warning)."""
     _check_split(source, data_dir, split)
     ds = source[split]()
     image_key, label_key = input_key or DEFAULT_INPUT_KEY, target_key or DEFAULT_TARGET_KEY
@@ -243,7 +244,10 @@ def _read_split(
                              f"{', '.join(ds.column_names)})")  # fmt: skip
     images = _images(ds, data_dir, split, image_key)
     values, missing, names = _labels(ds, data_dir, split, label_key)
-    classes = classes or names or _numbered(data_dir, split, values, missing)
+    if like is not None and names and names != like.classes:
+        raise LgvitError(f"hfds {data_dir}: the ClassLabel classes of splits {like.split} and "
+                         f"{split} differ: {_difference(like, split, names)}")  # fmt: skip
+    classes = like.classes if like else names or _numbered(data_dir, split, values, missing)
     if len(classes) > MAX_CLASSES:  # a ClassLabel's declared count (the head is sized by it)
         raise LgvitError(f"hfds {data_dir}: column {label_key!r} of split {split} declares "
                          f"{len(classes)} classes (ClassLabel), more than MAX_CLASSES "
@@ -253,6 +257,19 @@ def _read_split(
     rows = np.flatnonzero(~_bad(values, missing, len(classes)))
     labels = torch.from_numpy(values[rows].astype(np.int64))  # all in 0..K-1 now
     return HFImageSet(split, images, image_key, rows, labels, list(classes)), left_out
+
+
+def _difference(like: HFImageSet, split: str, names: list[str]) -> str:
+    """Both class lists where they are short, else the first class that differs."""
+    ours, theirs = like.classes, names
+    if len(ours) + len(theirs) <= 20:
+        return f"{like.split} [{', '.join(ours)}], {split} [{', '.join(theirs)}]"
+    shorter = min(len(ours), len(theirs))  # one list a prefix of the other: where it ends
+    i = next((i for i in range(shorter) if ours[i] != theirs[i]), shorter)
+    at = [repr(c[i]) if i < len(c) else "absent" for c in (ours, theirs)]
+    counts = (f"{len(ours)} classes in each" if len(ours) == len(theirs)
+              else f"{len(ours)} and {len(theirs)} classes")  # fmt: skip
+    return f"class {i} is {at[0]} in {like.split} and {at[1]} in {split} ({counts})"
 
 
 def _numbered(data_dir: str, split: str, values: np.ndarray, missing: np.ndarray) -> list[str]:
@@ -300,8 +317,8 @@ def hfds_splits(
     _check_split(source, data_dir, train_name)  # before the evaluation split's note
     val_name = _val_name(source, data_dir, val_split)
     keys = dict(input_key=input_key, target_key=target_key, max_bad_fraction=max_bad_fraction)
-    train, skipped = _read_split(source, data_dir, train_name, classes=None, **keys)
-    test, skipped_test = _read_split(source, data_dir, val_name, classes=train.classes, **keys)
+    train, skipped = _read_split(source, data_dir, train_name, like=None, **keys)
+    test, skipped_test = _read_split(source, data_dir, val_name, like=train, **keys)
     return DatasetSplits(train=train, test=test, name="hfds", mean=IMAGENET_MEAN,
                          std=IMAGENET_STD, skipped=skipped + skipped_test)  # fmt: skip
 
