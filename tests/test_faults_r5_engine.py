@@ -11,6 +11,8 @@ import json
 
 import pytest
 import torch
+from conftest import quick_init
+from safetensors.torch import load_file
 
 import lgvit
 from lgvit.cli import main
@@ -64,3 +66,56 @@ def test_timm_builds_its_own_architecture_from_an_lgvit_folder(tmp_path):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(m(x), theirs(x), rtol=0, atol=0)
+
+
+# --------------------------------------------------------- 15: a seed fixes a fine-tuning run
+
+
+@pytest.fixture
+def releases(tmp_path, monkeypatch):
+    """A release server on 127.0.0.1 serving localvit_tiny's file (lgvit's layout, as
+    test_finetune's), downloads going to an empty cache."""
+    from test_weights import FakeReleases
+
+    from lgvit.models.download import ENV_DIR, ENV_MIRROR
+    from lgvit.models.weights import find_weights
+
+    server = FakeReleases()
+    w = find_weights("localvit_tiny.in1k_authors")
+    torch.manual_seed(1)
+    with quick_init():
+        state = lgvit.create_model("localvit_tiny").state_dict()
+    path = tmp_path / "served" / w.filename
+    path.parent.mkdir()
+    torch.save({"model": state}, path)
+    server.files[w.filename] = path.read_bytes()
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "weights"))
+    monkeypatch.setenv(ENV_MIRROR, server.base)
+    yield server, path
+    server.httpd.shutdown()
+
+
+def test_a_seed_fixes_a_fine_tuning_run_whatever_the_cache_holds(releases, tmp_path, capsys):
+    """Downloading (and checking) the released file built a model, which drew from the run's
+    random streams: the same command trained otherwise than once the file was cached."""
+    server, served = releases
+    run = ["train", "--model", "localvit_tiny", "--data", "synthetic", "--img-size", "32",
+           "--iters", "1", "--batch-size", "8", "--seed", "0", "--amp", "none",
+           "--set", "log_every=1000"]  # fmt: skip
+    outs = {}
+    with quick_init():
+        for what, start in (
+            ("download", "localvit_tiny.in1k_authors"),
+            ("cached", "localvit_tiny.in1k_authors"),
+            ("file", str(served)),
+        ):
+            outs[what] = tmp_path / what
+            assert main([*run, "--initial-checkpoint", start, "--out", str(outs[what])]) == 0
+    assert sum(server.hits.values()) == 1  # downloaded once, then read from the cache
+    capsys.readouterr()
+    a = load_file(outs["download"] / "last.safetensors")
+    for what in ("cached", "file"):
+        b = load_file(outs[what] / "last.safetensors")
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (what, k)

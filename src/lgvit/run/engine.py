@@ -48,6 +48,7 @@ from lgvit.core.runtime import (
 )
 from lgvit.data.protocol import Loader, TrainLoader, check_loaders
 from lgvit.inference import initial_weights_file
+from lgvit.models.download import random_state_kept
 from lgvit.run.config import TrainConfig, config_from_dict, config_to_dict, save_config, scaled_lr
 from lgvit.run.kept import keep_epoch
 from lgvit.run.loggers import RunLoggers, check_loggers, epoch_scalars
@@ -538,7 +539,9 @@ def _start(
         model.load_state_dict(weights)
     elif cfg.initial_checkpoint:  # a task may read other layouts (a backbone's weights)
         load = getattr(task, "load_initial", None) or load_initial_weights
-        start_note = load(model, initial_weights_file(cfg.initial_checkpoint, cfg.model))
+        with random_state_kept():  # a download's check builds a model: none of the run's draws
+            path = initial_weights_file(cfg.initial_checkpoint, cfg.model)
+        start_note = load(model, path)
     model.to(d.device)
     if cfg.channels_last:  # the convolutions' weights in NHWC (the task converts its batches)
         model.to(memory_format=torch.channels_last)
