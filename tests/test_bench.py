@@ -145,3 +145,23 @@ def test_compile_time_is_a_column(monkeypatch):
     row = res["rows"][0]
     assert row["infer_compile_s"] > 0 and row["train_compile_s"] > 0, row
     assert "compile s" in format_result(res, "table")
+
+
+def test_a_model_outside_the_registry_is_measured_beside_lgvits():
+    """``extra``: timm's or an author's model in the same run, same steps and rounds; its
+    params and MACs counted on the built model, no paper figures."""
+    from lgvit.tools.bench import ExtraModel
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 10))
+
+    opts = BenchOptions(batch_size=2, img_size=16, rounds=1, train=True, amp="none")
+    res = run_bench(["lsa_micro_cifar"], opts, log=lambda m: None,
+                    extra=[ExtraModel("plain", build, (3, 16, 16))])  # fmt: skip
+    ours, theirs = res["rows"]
+    assert ours["model"] == "lsa_micro_cifar" and theirs["model"] == "plain"
+    assert theirs["error"] is None and theirs["params_m"] == pytest.approx(7690 / 1e6)
+    assert theirs["macs_g"] == pytest.approx(7680 / 1e9)
+    assert theirs["infer_img_s"] > 0 and theirs["train_img_s"] > 0
+    assert theirs.get("paper_img_s") is None and "train_mem_mb" not in theirs  # no CPU probe
+    assert "plain" in format_result(res, "table")

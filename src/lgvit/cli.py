@@ -103,7 +103,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     opts = BenchOptions(
         device=args.device, amp=args.amp, batch_size=args.batch_size, img_size=args.img_size,
         train=args.train, compile=args.compile, rounds=args.rounds, memory=not args.no_memory,
-        channels_last=args.channels_last,
+        channels_last=args.channels_last, busy=not args.no_busy,
     )  # fmt: skip
     progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.quiet else None
     result = run_bench(args.names, opts, log=progress or (lambda msg: None))
@@ -306,7 +306,7 @@ def _add_info(sub: Any) -> None:
 
 
 def _add_bench(sub: Any) -> None:
-    from lgvit.tools.bench import DEFAULT_BATCH, FORMATS, BenchOptions
+    from lgvit.tools.bench import AUTO, COMPILE_MODES, DEFAULT_BATCH, FORMATS, BenchOptions
     from lgvit.tools.bench import __doc__ as bench_doc
     from lgvit.tools.scaling import STUDY_NAMES
 
@@ -327,10 +327,11 @@ def _add_bench(sub: Any) -> None:
     )
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=_batch_or_auto,
         default=DEFAULT_BATCH,
         help=f"default {DEFAULT_BATCH}, the LIT paper's throughput batch (the LSA and "
-        "LocalViT papers name none)",
+        f"LocalViT papers name none); {AUTO}: doubled from {DEFAULT_BATCH} until out of memory "
+        "or under 5%% gain, the best beside the paper's",
     )
     p.add_argument("--img-size", type=int, help="input size (default: each model's own)")
     p.add_argument(
@@ -338,12 +339,16 @@ def _add_bench(sub: Any) -> None:
         action="store_true",
         help="also time a training step (forward, backward, AdamW) and its memory",
     )
-    p.add_argument("--compile", action="store_true", help="torch.compile every model")
+    p.add_argument("--compile", nargs="?", const="default", choices=COMPILE_MODES,
+                   metavar="MODE", help="torch.compile every model, in MODE: "
+                   f"{_one_of(COMPILE_MODES)} (default: default)")  # fmt: skip
     p.add_argument("--channels-last", action="store_true",
                    help="models and inputs in the NHWC memory format (timm's flag)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=BenchOptions.rounds,
                    help="alternating timed rounds (median)")  # fmt: skip
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
+    p.add_argument("--no-busy", action="store_true",
+                   help="skip the profiler pass that measures how busy the device is")  # fmt: skip
     p.add_argument("--format", default=FORMATS[0], help=_one_of(FORMATS))
     p.add_argument("--out", help="write the table (or, with --scaling, CSV + PNG) here")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -354,6 +359,16 @@ def _add_bench(sub: Any) -> None:
     )
     p.add_argument("--quick", action="store_true", help="with --scaling: fewer, smaller points")
     p.set_defaults(func=cmd_bench)
+
+
+def _batch_or_auto(text: str) -> int | str:
+    """``--batch-size``: a count, or ``auto`` (the sweep)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count nor auto") from None
 
 
 def _add_export(sub: Any) -> None:
