@@ -31,6 +31,7 @@ import hashlib
 import http.client
 import json
 import os
+import random
 import sys
 import time
 import urllib.error
@@ -210,6 +211,24 @@ def _verify(
     except (RuntimeError, ValueError, KeyError, IndexError) as e:  # a layout the mapping rejects
         raise LgvitError(f"{where}: not weights this model can load ({type(e).__name__}: "
                          f"{first_line(e)}) ({after})") from None  # fmt: skip
+
+
+@contextlib.contextmanager
+def random_state_kept() -> Iterator[None]:
+    """The process's random streams (torch's CPU generator, numpy's and Python's global ones)
+    as they were before the block: checking a download builds a model, whose initial draw
+    would otherwise shift a seeded run that fetches its weights against one that finds them
+    cached."""
+    import numpy as np
+    import torch
+
+    py, npy = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
 
 
 @contextlib.contextmanager
