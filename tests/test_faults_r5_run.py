@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import warnings
@@ -41,10 +42,12 @@ def _files(folder) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
 
 
-def _lgvit(*args: str, env: dict[str, str] | None = None, cwd=None) -> subprocess.CompletedProcess:
+def _lgvit(
+    *args: str, env: dict[str, str] | None = None, cwd=None, timeout: int = 300
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "lgvit", *args],
-        capture_output=True, text=True, env=env or ENV, cwd=cwd, timeout=300,
+        capture_output=True, text=True, env=env or ENV, cwd=cwd, timeout=timeout,
     )  # fmt: skip
 
 
@@ -182,3 +185,88 @@ def test_a_tensorboard_folder_without_write_permission_is_one_line(tmp_path, cap
         assert sorted(p.name for p in out.iterdir()) == ["tensorboard"]
     finally:
         (out / "tensorboard").chmod(0o700)
+
+
+# ------------------------------------------- 11: ranks outside the world; a missing process
+
+_LAUNCH = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+           "TORCHELASTIC_USE_AGENT_STORE", "LGVIT_RENDEZVOUS_TIMEOUT")  # fmt: skip
+
+
+def _launch_env(**given: str) -> dict[str, str]:
+    """The test's environment with only ``given`` of the launchers' variables."""
+    env = {k: v for k, v in ENV.items() if k not in _LAUNCH and not k.startswith("SLURM_")}
+    return {**env, **given}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_cpu(out, env: dict[str, str], timeout: int = 90) -> subprocess.CompletedProcess:
+    return _lgvit(*SYN, "--iters", "2", "--device", "cpu", "--out", str(out), env=env,
+                  timeout=timeout)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "given, needle",
+    [
+        (dict(SLURM_PROCID="3", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODELIST="localhost"),
+         "SLURM_PROCID=3 with SLURM_NTASKS=2: the rank must be 0 to 1"),
+        (dict(RANK="3", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1"),
+         "RANK=3 with WORLD_SIZE=2: the rank must be 0 to 1"),
+        (dict(RANK="-1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1"),
+         "RANK=-1 with WORLD_SIZE=2"),
+        (dict(RANK="0", WORLD_SIZE="0"), "WORLD_SIZE=0: a run needs at least 1 process"),
+        (dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="2", LOCAL_WORLD_SIZE="2",
+              MASTER_ADDR="127.0.0.1"), "LOCAL_RANK=2 with LOCAL_WORLD_SIZE=2"),
+        (dict(SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="1", SLURM_NTASKS_PER_NODE="1",
+              SLURM_NODELIST="localhost"), "SLURM_LOCALID=1 with SLURM_NTASKS_PER_NODE=1"),
+        # 14: it named SLURM_LOCALID and SLURM_NODELIST, which were not at fault
+        (dict(SLURM_PROCID="0", SLURM_NTASKS="0"), "SLURM_NTASKS=0: a run needs at least 1"),
+    ],
+)  # fmt: skip
+def test_ranks_outside_the_world_are_refused_at_once(tmp_path, given, needle):
+    """``SLURM_PROCID=3 SLURM_NTASKS=2`` (or ``RANK=3 WORLD_SIZE=2``) waited forever for ranks
+    that cannot come, without a word."""
+    out = tmp_path / "run"
+    p = _train_cpu(out, _launch_env(MASTER_PORT=str(_free_port()), **given))
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert needle in lines[0], lines[0]
+    assert not out.exists()
+
+
+def test_a_world_of_two_with_one_process_stops_after_the_timeout(tmp_path):
+    """``SLURM_NTASKS=2`` with one process started waited 30 minutes in silence: it says what it
+    waits for, then stops after LGVIT_RENDEZVOUS_TIMEOUT naming the rank that never came."""
+    port, out = str(_free_port()), tmp_path / "run"
+    env = _launch_env(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", MASTER_PORT=port,
+                      SLURM_NODELIST="localhost", LGVIT_RENDEZVOUS_TIMEOUT="3")  # fmt: skip
+    p = _train_cpu(out, env)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 2, p.stderr[-3000:]
+    assert f"waiting for the other processes at localhost:{port} (world size 2)" in lines[0]
+    assert "LGVIT_RENDEZVOUS_TIMEOUT" in lines[0]
+    assert lines[1].startswith(f"lgvit train: error: rendezvous at localhost:{port}: after 3 s")
+    assert "1 of 2 processes joined; rank(s) 1 did not" in lines[1]
+    assert not out.exists()
+    # rank 1 alone: nobody hosts the rendezvous
+    env = _launch_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=port, LGVIT_RENDEZVOUS_TIMEOUT="2")  # fmt: skip
+    p = _train_cpu(out, env)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 2, p.stderr[-3000:]
+    assert f"rank 1 of 2: no rendezvous at 127.0.0.1:{port} after 2 s" in lines[1]
+    assert not out.exists()
+
+
+def test_a_rendezvous_timeout_that_is_no_number_is_one_line(tmp_path):
+    env = _launch_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(_free_port()), LGVIT_RENDEZVOUS_TIMEOUT="soon")  # fmt: skip
+    p = _train_cpu(tmp_path / "run", env)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "lgvit train: error: LGVIT_RENDEZVOUS_TIMEOUT='soon': expected seconds, a number above 0"
+    ], p.stderr[-3000:]

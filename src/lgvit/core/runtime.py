@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import datetime
 import functools
 import os
 import re
+import socket
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
-from lgvit.core.errors import LgvitError
+from lgvit.core.errors import LgvitError, first_line
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -247,12 +251,37 @@ class Dist:
         return self.rank == 0
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, str(default))
+def _int_var(name: str, value: str, who: str = "torchrun sets it") -> int:
     try:
         return int(value)
     except ValueError:
-        raise LgvitError(f"{name}={value!r}: expected an integer (torchrun sets it)") from None
+        raise LgvitError(f"{name}={value!r}: expected an integer ({who})") from None
+
+
+def _env_int(name: str, default: int) -> int:
+    return _int_var(name, os.environ.get(name, str(default)))
+
+
+def check_ranks(
+    rank: tuple[str, int],
+    world: tuple[str, int],
+    local: tuple[str, int] | None = None,
+    local_world: tuple[str, int] | None = None,
+) -> None:
+    """A process's place in the run, each a (variable, value): a world of at least one process,
+    a rank inside it, a local rank inside the machine's processes where their count is known.
+    Outside, the rendezvous would wait forever for ranks that cannot come: one line now."""
+    (rn, r), (wn, w) = rank, world
+    if w < 1:
+        raise LgvitError(f"{wn}={w}: a run needs at least 1 process")
+    if not 0 <= r < w:
+        raise LgvitError(f"{rn}={r} with {wn}={w}: the rank must be 0 to {w - 1}")
+    if local is not None:
+        (ln, lr) = local
+        if lr < 0 or (local_world is not None and lr >= local_world[1]):
+            bound = f" with {local_world[0]}={local_world[1]}" if local_world else ""
+            top = f" to {local_world[1] - 1}" if local_world else " or more"
+            raise LgvitError(f"{ln}={lr}{bound}: the local rank must be 0{top}")
 
 
 def check_local_rank(local: int, local_world: int) -> None:
@@ -300,13 +329,23 @@ def slurm_environment(env: dict[str, str]) -> dict[str, str]:
     (a single task, or torchrun started by srun: torchrun's own variables win)."""
     if "SLURM_PROCID" not in env or any(k in env for k in _TORCHRUN_VARS):
         return {}
-    tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1"
-    if tasks == "1":
+    count = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
+    tasks = env.get(count) or "1"
+    world = _int_var(count, tasks, "srun sets it")
+    if world == 1:
         return {}
+    rank = ("SLURM_PROCID", _int_var("SLURM_PROCID", env["SLURM_PROCID"], "srun sets it"))
+    check_ranks(rank, (count, world))  # before the others: SLURM_NTASKS=0 is the fault
     missing = [k for k in ("SLURM_LOCALID", "SLURM_NODELIST") if k not in env]
     if missing:
         raise LgvitError(f"SLURM_PROCID is set but {', '.join(missing)} is not: launch each "
                          "process with srun, or use torchrun")  # fmt: skip
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "")
+    check_ranks(
+        rank, (count, world),
+        ("SLURM_LOCALID", _int_var("SLURM_LOCALID", env["SLURM_LOCALID"], "srun sets it")),
+        ("SLURM_NTASKS_PER_NODE", int(per_node)) if per_node.isdigit() else None,
+    )  # fmt: skip
     job = env.get("SLURM_JOB_ID", "0")
     port = env.get("MASTER_PORT") or str(SLURM_PORT_BASE + int(job) % 1000 if job.isdigit()
                                          else SLURM_PORT_BASE)  # fmt: skip
@@ -327,6 +366,11 @@ def setup_distributed(device_name: str = "auto") -> Dist:
     os.environ.update(slurm_environment(dict(os.environ)))
     world = _env_int("WORLD_SIZE", 1)
     local = _env_int("LOCAL_RANK", 0)
+    if "WORLD_SIZE" in os.environ:
+        known = "LOCAL_WORLD_SIZE" in os.environ
+        local_world = ("LOCAL_WORLD_SIZE", _env_int("LOCAL_WORLD_SIZE", 1)) if known else None
+        check_ranks(("RANK", _env_int("RANK", 0)), ("WORLD_SIZE", world), ("LOCAL_RANK", local),
+                    local_world)  # fmt: skip
     use_cuda = torch.cuda.is_available() if device_name == "auto" else device_name == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise LgvitError("--device cuda: no CUDA device is available here (use --device cpu)")
@@ -336,9 +380,125 @@ def setup_distributed(device_name: str = "auto") -> Dist:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts it
+            dist.init_process_group(backend)
+        else:
+            rank = _env_int("RANK", 0)
+            store = rendezvous(rank, world, *_master(), rendezvous_timeout())
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     rank = dist.get_rank() if world > 1 else 0
     return Dist(rank, world, local, device)
+
+
+# How long the processes of a run started without torchrun's agent (srun, or RANK/WORLD_SIZE
+# set by hand) wait for each other: torch's own default for a process group (30 minutes).
+RENDEZVOUS_TIMEOUT_VAR = "LGVIT_RENDEZVOUS_TIMEOUT"
+RENDEZVOUS_TIMEOUT_S = 1800.0
+
+
+def rendezvous_timeout() -> float:
+    """Seconds to wait for every process to join (``LGVIT_RENDEZVOUS_TIMEOUT``, else 1800)."""
+    text = os.environ.get(RENDEZVOUS_TIMEOUT_VAR, "").strip()
+    if not text:
+        return RENDEZVOUS_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise LgvitError(f"{RENDEZVOUS_TIMEOUT_VAR}={text!r}: expected seconds, a number above 0")
+    return value
+
+
+_JOINED = "lgvit/joined/{}"  # each rank's key in the store, once it reached it
+_ALL_JOINED = "lgvit/all_joined"  # rank 0's, once every rank did
+
+
+def rendezvous(rank: int, world: int, addr: str, port: int, timeout: float) -> dist.Store:
+    """The store the ``world`` processes meet at (``addr:port``, hosted by rank 0), once all
+    have joined. A process still waiting after a few seconds says once what it waits for;
+    after ``timeout`` seconds it stops with one line: rank 0 names the ranks that never came,
+    another rank the host it could not reach (torch's own rendezvous waits in silence, then
+    times out with a traceback 30 minutes later)."""
+    where = f"{addr}:{port}"
+    said = (f"lgvit: rank {rank}: waiting for the other processes at {where} (world size "
+            f"{world}); stops after {timeout:g} s ({RENDEZVOUS_TIMEOUT_VAR})")  # fmt: skip
+    notice = threading.Timer(min(5.0, timeout / 4), print, (said,), {"file": sys.stderr})
+    notice.daemon = True
+    notice.start()
+    try:
+        store = _join(rank, world, addr, port, timeout)
+    finally:
+        notice.cancel()
+    store.set_timeout(default_pg_timeout)  # the store serves the process group from here on
+    return store
+
+
+def _join(rank: int, world: int, addr: str, port: int, timeout: float) -> dist.Store:
+    where, deadline = f"{addr}:{port}", time.monotonic() + timeout
+    wait = datetime.timedelta(seconds=timeout)
+    if rank != 0 and not _reachable(addr, port, deadline):  # torch's client would time out
+        raise LgvitError(  # with a C++ stack trace on stderr: waited for here instead
+            f"rank {rank} of {world}: no rendezvous at {where} after {timeout:g} s: rank 0 "
+            "hosts it and did not start (or MASTER_ADDR / MASTER_PORT differ between the "
+            f"processes); start all {world} processes, {RENDEZVOUS_TIMEOUT_VAR} sets the wait"
+        )
+    try:
+        store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=wait,
+                              wait_for_workers=False)  # fmt: skip
+    except RuntimeError as e:  # torch's DistNetworkError: a port taken, a host gone
+        what = "cannot host" if rank == 0 else f"of {world} cannot join"
+        hint = " (another run on MASTER_PORT? set another)" if rank == 0 else ""
+        raise LgvitError(f"rank {rank} {what} the rendezvous at {where}: "
+                         f"{first_line(e)}{hint}") from None  # fmt: skip
+    store.set(_JOINED.format(rank), "1")
+    if rank != 0:
+        try:  # rank 0 says when all came, or stops (naming who did not): a little longer
+            store.wait([_ALL_JOINED], datetime.timedelta(seconds=timeout + 10))
+        except RuntimeError as e:
+            raise LgvitError(f"rank {rank} of {world}: rank 0 at {where} stopped before every "
+                             f"process joined ({first_line(e)})") from None  # fmt: skip
+        return store
+    keys = [_JOINED.format(r) for r in range(world)]
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world) if not store.check([keys[r]])]
+            named = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+            raise LgvitError(
+                f"rendezvous at {where}: after {timeout:g} s, {world - len(missing)} of {world} "
+                f"processes joined; rank(s) {named} did not: start all {world} (srun --ntasks "
+                f"{world}, or torchrun), or raise {RENDEZVOUS_TIMEOUT_VAR}"
+            )
+        time.sleep(0.05)
+    store.set(_ALL_JOINED, "1")
+    return store
+
+
+def _reachable(addr: str, port: int, deadline: float) -> bool:
+    """Something listens at ``addr:port`` before ``deadline`` (``time.monotonic``)."""
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=1.0):
+                return True
+        except OSError:  # refused, unreachable, a name not resolved yet: try again
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+
+
+def _master() -> tuple[str, int]:
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise LgvitError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set: start the processes with "
+            "torchrun (or srun), or set MASTER_ADDR and MASTER_PORT to rank 0's host and a port"
+        )
+    port = _int_var("MASTER_PORT", os.environ["MASTER_PORT"], "a TCP port")
+    if not 0 < port < 65536:
+        raise LgvitError(f"MASTER_PORT={port}: not a TCP port (1 to 65535)")
+    return os.environ["MASTER_ADDR"], port
 
 
 def barrier(d: Dist) -> None:
