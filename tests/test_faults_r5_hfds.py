@@ -211,3 +211,51 @@ def test_eval_refuses_data_whose_class_order_is_not_the_checkpoints(tmp_path, ca
     )
     assert _eval(checkpoint, d, "--any-classes") == 0
     assert "(3 test images)" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------ item 14: one Dataset
+
+
+@pytest.fixture
+def one_split(tmp_path) -> Path:
+    """A DatasetDict saved with save_to_disk: its ``validation`` folder holds one Dataset."""
+    return _save(tmp_path / "saved", _named(6, ["cat", "dog", "fox"]),
+                 _named(3, ["cat", "dog", "fox"], start=50)) / "validation"  # fmt: skip
+
+
+def test_eval_reads_a_folder_holding_one_saved_dataset(tmp_path, capsys, checkpoint, one_split):
+    pred = tmp_path / "p.csv"
+    for extra in ([], ["--split", "validation"]):
+        assert _eval(checkpoint, one_split, "--predictions", str(pred), *extra) == 0
+        assert "(3 test images)" in capsys.readouterr().out
+        rows = [line.split(",")[0] for line in pred.read_text().splitlines()[1:]]
+        assert sorted(rows) == [f"validation[{i}]" for i in range(3)]  # the folder's name
+    assert _eval(checkpoint, one_split, "--split", "test") == 2
+    assert _error(capsys, "eval") == (
+        f"hfds {one_split} holds one saved Dataset (split 'validation'), the split evaluated: "
+        "--split 'test' names another (leave --split out)"
+    )
+    # a Dataset that records its split (load_dataset(..., split=...)) goes by that name
+    rows = _named(2, ["cat", "dog", "fox"])
+    named = datasets.Dataset.from_dict(rows.to_dict(), features=rows.features, split="test")
+    named.save_to_disk(str(tmp_path / "mine"))
+    assert _eval(checkpoint, tmp_path / "mine", "--predictions", str(pred)) == 0
+    assert pred.read_text().splitlines()[1].startswith("test[")
+
+
+def test_train_on_a_folder_holding_one_saved_dataset_says_what_to_give(tmp_path, capsys,
+                                                                      one_split):  # fmt: skip
+    assert _train(one_split, tmp_path / "run") == 2
+    assert _error(capsys, "train") == (
+        f"hfds {one_split} holds one saved Dataset (split 'validation'), not a DatasetDict with "
+        f"train and validation splits: give --data-dir {one_split.parent}, the DatasetDict it "
+        "is a split of"
+    )
+    toy(4).save_to_disk(str(tmp_path / "alone"))
+    assert _train(tmp_path / "alone", tmp_path / "run", "--val-split", "alone") == 2
+    assert _error(capsys, "train") == (
+        f"hfds {tmp_path / 'alone'} holds one saved Dataset (split 'alone'), not a DatasetDict "
+        "with train and validation splits: save both as one (DatasetDict(train=..., "
+        "validation=...).save_to_disk) and give its folder"
+    )
+    assert not (tmp_path / "run").exists()

@@ -2,13 +2,13 @@
 stores it (parquet or arrow files with ``image`` and ``label`` columns).
 
 ``--data-dir`` is a dataset saved with ``save_to_disk`` (a ``DatasetDict``'s folder, or one
-``Dataset``'s), or a folder of parquet or arrow files named by split as on the hub
-(``train-00000-of-00004.parquet``, ``data/validation-*.parquet``, ``train/*.arrow``): the
-``datasets`` library's own naming rules give each file its split (so ``val-*.parquet`` is the
-validation split). Everything is read locally with ``datasets``: no hub, no loading script, no
-code from the data. Parquet files are converted once into ``datasets``' arrow cache
-(``HF_DATASETS_CACHE``), which is how ``datasets`` reads parquet row by row; arrow files and
-saved datasets are memory-mapped where they lie.
+``Dataset``'s: one split, which ``lgvit eval`` reads and training refuses), or a folder of
+parquet or arrow files named by split as on the hub (``train-00000-of-00004.parquet``,
+``data/validation-*.parquet``, ``train/*.arrow``): the ``datasets`` library's own naming rules
+give each file its split (so ``val-*.parquet`` is the validation split). Everything is read
+locally with ``datasets``: no hub, no loading script, no code from the data. Parquet files are
+converted once into ``datasets``' arrow cache (``HF_DATASETS_CACHE``), which is how ``datasets``
+reads parquet row by row; arrow files and saved datasets are memory-mapped where they lie.
 
 A split is map-style (:class:`HFImageSet`, a :class:`lgvit.data.splits.SampleSet`): the
 streaming loader (:mod:`lgvit.data.stream`) shards it over ranks, seeds and resumes it and
@@ -105,8 +105,9 @@ def _saved(data_dir: str) -> Loaders:
     except Exception as e:  # a damaged save: datasets raises many types
         why = first_line(e)
         raise LgvitError(f"hfds {data_dir}: cannot read the saved dataset ({why})") from None
-    if not isinstance(saved, _datasets().DatasetDict):  # one Dataset: its own split name
-        saved = {str(saved.split or TRAIN_SPLIT): saved}
+    if not isinstance(saved, _datasets().DatasetDict):  # one Dataset: the split it records,
+        # else its folder's name (a DatasetDict saves each split in a folder named by it)
+        saved = {str(saved.split or Path(data_dir).resolve().name or TRAIN_SPLIT): saved}
     return {str(name): (lambda ds=ds: ds) for name, ds in saved.items()}
 
 
@@ -152,6 +153,23 @@ def _source(data_dir: str) -> Loaders:
     if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
         return _saved(data_dir)
     return _files(data_dir)
+
+
+def _one_dataset(data_dir: str) -> bool:
+    """Whether ``data_dir`` holds one saved ``Dataset``, not a ``DatasetDict`` (the files
+    ``load_from_disk`` tells them apart by)."""
+    folder = Path(data_dir)
+    return (folder / "state.json").is_file() and not (folder / "dataset_dict.json").is_file()
+
+
+def _one_for_training(data_dir: str, name: str) -> LgvitError:
+    """Training needs a train and a validation split: what to give instead of one."""
+    parent = Path(data_dir).parent
+    instead = (f"give --data-dir {parent}, the DatasetDict it is a split of"
+               if (parent / "dataset_dict.json").is_file() else "save both as one (DatasetDict("
+               "train=..., validation=...).save_to_disk) and give its folder")  # fmt: skip
+    return LgvitError(f"hfds {data_dir} holds one saved Dataset (split {name!r}), not a "
+                      f"DatasetDict with train and validation splits: {instead}")  # fmt: skip
 
 
 def _check_split(source: Loaders, data_dir: str, split: str) -> None:
@@ -313,6 +331,8 @@ def hfds_splits(
     and ``label``); the evaluation split has the train split's classes. ``skipped``: the rows
     left out for want of a usable label."""
     source = _source(data_dir)
+    if _one_dataset(data_dir):
+        raise _one_for_training(data_dir, next(iter(source)))
     train_name = train_split or TRAIN_SPLIT
     _check_split(source, data_dir, train_name)  # before the evaluation split's note
     val_name = _val_name(source, data_dir, val_split)
@@ -326,8 +346,14 @@ def hfds_splits(
 def hfds_split(
     data_dir: str, *, split: str | None, input_key: str | None, target_key: str | None
 ) -> HFImageSet:
-    """The split ``lgvit eval`` reads (default: the validation split); rows without a usable
-    label are left out with a warning."""
+    """The split ``lgvit eval`` reads (default: the validation split; a folder holding one
+    saved ``Dataset``: that one); rows without a usable label are left out with a warning."""
     source = _source(data_dir)
-    name = _val_name(source, data_dir, split)
+    one = _one_dataset(data_dir)
+    name = next(iter(source)) if one else _val_name(source, data_dir, split)
+    if one and split and split != name:
+        raise LgvitError(
+            f"hfds {data_dir} holds one saved Dataset (split {name!r}), the split "
+            f"evaluated: --split {split!r} names another (leave --split out)"
+        )
     return _read_split(source, data_dir, name, input_key, target_key, None, None)[0]
