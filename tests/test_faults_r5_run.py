@@ -13,11 +13,14 @@ import shutil
 import socket
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
+import torch
 from test_train import ENV, FAST
 
+from lgvit.checkpoints.files import load_metadata
 from lgvit.cli import main
 from lgvit.run.kept import KEPT_DIR, KEPT_INDEX
 
@@ -270,3 +273,50 @@ def test_a_rendezvous_timeout_that_is_no_number_is_one_line(tmp_path):
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "lgvit train: error: LGVIT_RENDEZVOUS_TIMEOUT='soon': expected seconds, a number above 0"
     ], p.stderr[-3000:]
+
+
+# --------------------------------------- 14: hub folders for --initial-checkpoint and average
+
+
+@pytest.fixture
+def hub_folder(tmp_path, monkeypatch):
+    """A ``save_pretrained`` folder of the run's model, and the same as ``hf-hub:me/micro``
+    (huggingface_hub mocked as in test_hub: no network)."""
+    import lgvit
+
+    folder = tmp_path / "hf"
+    lgvit.create_model("lsa_micro_cifar", img_size=16).save_pretrained(folder)
+    fake = types.ModuleType("huggingface_hub")
+
+    def hf_hub_download(repo_id: str, filename: str, revision=None) -> str:  # noqa: ANN001
+        assert repo_id == "me/micro"
+        return str(folder / filename)
+
+    fake.hf_hub_download = hf_hub_download
+    monkeypatch.setitem(sys.modules, "huggingface_hub", fake)
+    return folder
+
+
+def test_initial_checkpoint_takes_hub_folders_as_eval_does(hub_folder, tmp_path, capsys):
+    """``local-dir:DIR`` and ``hf-hub:`` were "no such file" for ``train --initial-checkpoint``
+    while eval, predict and export took them."""
+    for i, source in enumerate((f"local-dir:{hub_folder}", "hf-hub:me/micro", str(hub_folder))):
+        out = tmp_path / f"ft{i}"
+        _train([*SYN, "--iters", "1", "--initial-checkpoint", source, "--out", str(out)])
+        assert (
+            f"started from the weights of {hub_folder / 'model.safetensors'}"
+            in (out / "train.log").read_text()
+        )
+
+
+def test_average_takes_hub_folders(hub_folder, run, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "avg.safetensors"
+    for source in (f"local-dir:{hub_folder}", "hf-hub:me/micro"):
+        assert main(["average", source, str(run / "last"), "--out", str(out)]) == 0
+        a, b = load_file(hub_folder / "model.safetensors"), load_file(run / "last.safetensors")
+        got = load_file(out)
+        torch.testing.assert_close(got["head.weight"], (a["head.weight"] + b["head.weight"]) / 2)
+        # the folder's weights carry no lgvit record: the run's, so the average evaluates
+        assert load_metadata(out)["model"] == "lsa_micro_cifar"

@@ -525,7 +525,8 @@ def _add_average(sub: Any) -> None:
         description=average_doc.split("\n\n", 1)[1],
     )
     p.add_argument("sources", nargs="+", metavar="RUN_OR_FILE",
-                   help="a run directory trained with keep_best, or checkpoint files")  # fmt: skip
+                   help="a run directory trained with keep_best, or checkpoint files or "
+                   "save_pretrained folders (local-dir:DIR, hf-hub:ORG/NAME)")  # fmt: skip
     p.add_argument("--best", type=int, help="the N best kept epochs of the run (default: all)")
     p.add_argument("--no-ema", action="store_true",
                    help="the kept epochs' weights, not their EMA weights")  # fmt: skip

@@ -194,10 +194,14 @@ def _load_folder(
 
 
 def initial_weights_file(source: str, model_name: str | None) -> str:
-    """What ``--initial-checkpoint`` names: a file, as given, or released classification
-    weights by name (``lit_ti.in1k_authors``, of the run's ``model_name``): their file in the
-    weights cache, downloaded and checked on the registered model once, as ``create_model(...,
+    """What ``--initial-checkpoint`` names: a file, as given, a ``save_pretrained`` folder (its
+    weights file: :func:`folder_weights_file`), or released classification weights by name
+    (``lit_ti.in1k_authors``, of the run's ``model_name``): their file in the weights cache,
+    downloaded and checked on the registered model once, as ``create_model(...,
     pretrained=True)`` does."""
+    in_folder = folder_weights_file(source)
+    if in_folder is not None:
+        return in_folder
     released = _released(source, model_name)
     if released is None:
         return source
@@ -207,6 +211,19 @@ def initial_weights_file(source: str, model_name: str | None) -> str:
 
     w = find_weights(released)
     return str(fetch(w, lambda path: create_model(w.model, checkpoint_path=str(path))).path)
+
+
+def folder_weights_file(source: str) -> str | None:
+    """The weights file of the ``save_pretrained`` folder ``source`` names, in the forms eval
+    takes (``local-dir:DIR``, ``hf-hub:ORG/NAME``: downloaded once, then from the cache, as
+    ``create_model`` does; ``DIR`` or ``DIR/model.safetensors``); None for anything else."""
+    from lgvit.models.hub import download, folder_named, weights_file
+
+    folder = folder_named(source)
+    if folder is None:
+        return None
+    kind, _, where = folder.partition(":")
+    return str(weights_file(where if kind == "local-dir" else download(where)))
 
 
 def _released(checkpoint: str, model_name: str | None) -> str | None:

@@ -1,12 +1,15 @@
 """``lgvit average``: the mean of several checkpoints' weights, as timm's ``avg_checkpoints.py``.
 
 The sources are a run directory's kept epochs (``--best N`` of them; their EMA weights when the
-run kept an EMA, unless ``--no-ema``) or checkpoint files named one by one. Floating-point
+run kept an EMA, unless ``--no-ema``) or checkpoint files named one by one (``save_pretrained``
+folders too, as eval takes them: ``local-dir:DIR``, ``hf-hub:ORG/NAME``). Floating-point
 tensors (weights, and BatchNorm's running mean and variance) are averaged in float64 and stored
 in their own dtype; integer tensors (BatchNorm's ``num_batches_tracked``) are taken from the last
-source. The result keeps the first source's metadata (model, classes, preprocessing), so it
-loads wherever a checkpoint does: ``lgvit eval``, ``predict``, ``export`` and
-``create_model(name, checkpoint_path=...)``.
+source. The result keeps the metadata (model, classes, preprocessing) of the first source that
+has a record (a folder's weights and a ``.pth`` have none), so it loads wherever a checkpoint
+does: ``lgvit eval``, ``predict``, ``export`` and ``create_model(name, checkpoint_path=...)``.
+``--out`` may not be a file it averages, a run's own checkpoint (``last``, ``best``,
+``last_ema`` in a folder holding a run) or a file in a run's ``kept/``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from lgvit.checkpoints.files import (
 )
 from lgvit.core.atomic import atomic_save_safetensors, check_writable
 from lgvit.core.errors import LgvitError
+from lgvit.inference import folder_weights_file
 from lgvit.run.kept import KEPT_DIR, KEPT_INDEX, kept_checkpoints
 from lgvit.run.rundir import RUN_CHECKPOINTS, holds_run
 
@@ -71,7 +75,7 @@ def sources(paths: Sequence[str], best: int | None, ema: bool = True) -> list[Pa
     if len(paths) < 2:
         raise LgvitError(f"{paths[0]}: give a run directory with kept epochs, or two or more "
                          "checkpoint files to average")  # fmt: skip
-    return [Path(p) for p in paths]
+    return [Path(folder_weights_file(p) or p) for p in paths]  # hub folders as eval takes them
 
 
 def average_files(files: Sequence[Path], out: str | Path) -> dict[str, Tensor]:
@@ -84,10 +88,7 @@ def average_files(files: Sequence[Path], out: str | Path) -> dict[str, Tensor]:
     check_writable(out, "--out")
     states = [load_weights(f) for f in files]
     averaged = average_weights(states, [str(f) for f in files])
-    try:
-        meta = load_metadata(files[0])
-    except LgvitError:  # a .pth carries no metadata: the average then has none either
-        meta = {}
+    meta = _first_record(files)
     meta = {k: v for k, v in meta.items() if k != PAIR_ID_KEY}  # it pairs no train state
     atomic_save_safetensors(averaged, out, meta)
     return averaged
@@ -118,3 +119,18 @@ def check_out(out: str | Path, files: Sequence[Path]) -> None:
             f"--out {out}: inside {folder}, the run's kept epochs ({KEPT_INDEX} owns that "
             f"folder); write the average outside it (e.g. {folder.parent / 'average.safetensors'})"
         )
+
+
+def _first_record(files: Sequence[Path]) -> dict[str, str]:
+    """The metadata of the first file carrying an lgvit record (a model name): a ``.pth`` or a
+    ``save_pretrained`` folder's weights carry none, so the average takes the next file's."""
+    first = None
+    for f in files:
+        try:
+            meta = load_metadata(f)
+        except LgvitError:  # a .pth: no metadata
+            continue
+        if "model" in meta:
+            return meta
+        first = meta if first is None else first
+    return first or {}
