@@ -320,3 +320,23 @@ def test_average_takes_hub_folders(hub_folder, run, tmp_path, capsys):
         torch.testing.assert_close(got["head.weight"], (a["head.weight"] + b["head.weight"]) / 2)
         # the folder's weights carry no lgvit record: the run's, so the average evaluates
         assert load_metadata(out)["model"] == "lsa_micro_cifar"
+
+
+# ------------------------------------------- 14: a copied checkpoint resumed into a run folder
+
+
+def test_a_copied_checkpoint_resumed_into_a_run_is_refused_in_true_words(run, tmp_path, capsys):
+    """A run's checkpoint copied into a folder of checkpoints: its folder was called "another
+    run" and `--out` it suggested (training into the folder of copies)."""
+    copies, mine = tmp_path / "checkpoints", tmp_path / "mine"
+    copies.mkdir()
+    for name in ("last.safetensors", "last.state.pt"):
+        shutil.copy(run / name, copies / name)
+    shutil.copytree(run, mine)
+    before = _files(mine)
+    capsys.readouterr()
+    code = main(["train", "--out", str(mine), "--resume", str(copies / "last")])
+    line = _one_line(capsys, code, f"--resume {copies / 'last'}", f"started in {run}",
+                     f"--initial-checkpoint {copies / 'last'}", f"--out {run}")  # fmt: skip
+    assert "another run" not in line and f"--out {copies}" not in line
+    assert _files(mine) == before

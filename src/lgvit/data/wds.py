@@ -4,7 +4,8 @@ evaluation source: ImageNet as the hub's ``timm/imagenet-1k-wds`` stores it.
 ``--data-dir`` is a folder of shards (a split's shards carry its name as a ``-``/``_``-delimited
 token: ``imagenet1k-train-0000.tar``), a brace pattern (``/data/train-{0000..1023}.tar``) or an
 ``_info.json`` (timm's schema: ``splits: {name: {num_samples, filenames, shard_lengths}}``); a
-folder holding an ``_info.json`` uses it. Sample counts come from ``_info.json`` or from a
+folder holding an ``_info.json`` uses it. Sample counts come from ``_info.json`` (checked
+against each shard as it is read: a shard holding more or fewer is one line) or from a
 one-time scan of the tar headers (no image decoded), cached under the cache folder.
 
 Every sample once per epoch across the job: the epoch's shard order is a seeded permutation,
@@ -44,8 +45,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lgvit.core.atomic import atomic_write_json
-from lgvit.core.constants import IMAGENET_MEAN, IMAGENET_STD
-from lgvit.core.errors import LgvitError
+from lgvit.core.constants import IMAGENET_MEAN, IMAGENET_STD, MAX_CLASSES
+from lgvit.core.errors import LgvitError, refuse_deep_nesting
 from lgvit.data.decode import load_rgb
 from lgvit.data.loader import AugmentConfig, BatchRecipe, RecipeLoader, _seed
 from lgvit.data.segmentation import own_generator
@@ -62,7 +63,7 @@ TRAIN_SPLIT, VAL_SPLITS = "train", ("validation", "val")  # timm's names; "val" 
 SHUFFLE = 1000  # samples per shuffle window (rounded up to whole batches)
 INFO_NAMES = ("_info.json", "info.json")
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members, skipped as it does
-_SCAN_VERSION = 1  # of the cached header scans' format
+_SCAN_VERSION = 2  # of the cached header scans' format (2: labels ASCII digits only)
 
 
 def _webdataset() -> Any:
@@ -89,6 +90,8 @@ class ShardSet:
     classes: list[str]
     input_keys: tuple[str, ...] = tuple(DEFAULT_INPUT_KEY.split(";"))
     target_key: str = DEFAULT_TARGET_KEY
+    counts_from: str | None = None  # the _info.json that declared the counts (None: scanned)
+    classes_inferred: bool = False  # 0..K-1 from the largest label seen, not declared
     _keys: dict[int, list[str]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -175,40 +178,90 @@ def _find_info(data_dir: str) -> Path | None:
 
 
 def _read_info(path: Path) -> dict:
+    """``_info.json``, every field lgvit reads checked for type and shape (one line naming the
+    file and the key): a malformed index must not surface as a traceback or a wrong count."""
     try:
-        info = json.loads(path.read_text())
+        with refuse_deep_nesting(str(path), "JSON"):
+            info = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise LgvitError(f"{path} is not readable JSON ({e})") from None
     if not isinstance(info, dict) or not isinstance(info.get("splits"), dict):
         raise LgvitError(f"{path} has no 'splits' mapping (timm's _info.json schema)")
+    for name, entry in info["splits"].items():
+        _check_split_entry(entry, path, f"splits.{name}")
+    _info_classes(info, path)
     return info
 
 
-def _info_split(info: dict, path: Path, split: str) -> tuple[list[str], list[int] | None]:
-    """A split's shard paths and, when given, their sample counts from ``_info.json``."""
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_split_entry(entry: Any, path: Path, key: str) -> None:
+    """A split's ``filenames`` (non-empty, names), ``shard_lengths`` (one count per file) and
+    ``num_samples`` (their sum), each optional count null or absent."""
+    if not isinstance(entry, dict):
+        raise LgvitError(f"{path}: {key} is {type(entry).__name__}, not a mapping with filenames")
+    names = entry.get("filenames")
+    if not isinstance(names, list) or not names:
+        raise LgvitError(f"{path}: {key}.filenames must be a non-empty list of shard file names, "
+                         f"not {json.dumps(names)[:40]}")  # fmt: skip
+    bad = next((i for i, n in enumerate(names) if not isinstance(n, str) or not n), None)
+    if bad is not None:
+        raise LgvitError(f"{path}: {key}.filenames[{bad}] is {json.dumps(names[bad])[:40]}, "
+                         "not a file name")  # fmt: skip
+    lengths, total = entry.get("shard_lengths"), entry.get("num_samples")
+    if lengths is not None and (not isinstance(lengths, list) or len(lengths) != len(names)
+                                or not all(map(_count, lengths))):  # fmt: skip
+        raise LgvitError(f"{path}: {key}.shard_lengths must be one non-negative integer per "
+                         f"file ({len(names)}), not {json.dumps(lengths)[:40]}")  # fmt: skip
+    if total is not None and not _count(total):
+        raise LgvitError(f"{path}: {key}.num_samples must be a non-negative integer, not "
+                         f"{json.dumps(total)[:40]}")  # fmt: skip
+    if lengths is not None and total is not None and sum(lengths) != total:
+        raise LgvitError(f"{path}: {key}.num_samples is {total} but its shard_lengths sum to "
+                         f"{sum(lengths)}")  # fmt: skip
+
+
+def _info_split(
+    info: dict, path: Path, split: str
+) -> tuple[list[str], list[int] | None, int | None]:
+    """A split's shard paths and, when given, their sample counts and total (checked on
+    reading) from ``_info.json``."""
     entry = info["splits"].get(split)
-    if not isinstance(entry, dict) or not isinstance(entry.get("filenames"), list):
+    if entry is None:
         raise LgvitError(f"{path} has no split {split!r} with filenames (its splits: "
                          f"{', '.join(map(str, info['splits'])) or 'none'})")  # fmt: skip
     paths = [str(path.parent / f) for f in entry["filenames"]]
-    lengths = entry.get("shard_lengths")
-    if lengths is not None and (
-        not isinstance(lengths, list) or len(lengths) != len(paths)
-        or not all(isinstance(n, int) and n >= 0 for n in lengths)
-    ):  # fmt: skip
-        raise LgvitError(f"{path}: split {split!r} needs one non-negative shard_lengths entry "
-                         f"per file ({len(paths)})")  # fmt: skip
-    return paths, lengths
+    return paths, entry.get("shard_lengths"), entry.get("num_samples")
 
 
-def _info_classes(info: dict) -> list[str] | None:
-    """Class names from ``_info.json`` (a list of names, or a count) when it has them."""
+def _info_classes(info: dict, path: Path) -> list[str] | None:
+    """Class names from ``_info.json`` (a list of names, or a count) when it has them: names
+    unique, at most ``MAX_CLASSES``, agreeing with ``num_classes`` when both are given."""
+    found = None
     for key in ("classes", "class_names", "label_names"):
         names = info.get(key)
-        if isinstance(names, list) and names:
-            return [str(n) for n in names]
+        if names is None:
+            continue
+        if not isinstance(names, list) or len(names) > MAX_CLASSES:
+            raise LgvitError(f"{path}: {key} must be a list of at most {MAX_CLASSES:,} class "
+                             f"names, not {json.dumps(names)[:40]}")  # fmt: skip
+        bad = next((i for i, n in enumerate(names) if not isinstance(n, str)), None)
+        if bad is not None:
+            raise LgvitError(f"{path}: {key}[{bad}] is {json.dumps(names[bad])[:40]}, not a "
+                             "class name")  # fmt: skip
+        twice = next((n for n, c in Counter(names).items() if c > 1), None)
+        if twice is not None:  # two classes of one name: results could not tell them apart
+            raise LgvitError(f"{path}: {key} names {twice!r} twice")
+        found = found or names or None
     n = info.get("num_classes")
-    return [str(i) for i in range(n)] if isinstance(n, int) and n > 0 else None
+    if n is not None and (not _count(n) or not 0 < n <= MAX_CLASSES):
+        raise LgvitError(f"{path}: num_classes must be an integer in [1, {MAX_CLASSES:,}] "
+                         f"(core.constants.MAX_CLASSES), not {json.dumps(n)[:40]}")  # fmt: skip
+    if n is not None and found is not None and n != len(found):
+        raise LgvitError(f"{path}: num_classes is {n} but its class names are {len(found)}")
+    return found if found is not None else [str(i) for i in range(n)] if n else None
 
 
 def _pattern_for(pattern: str, split: str, named: str) -> str:
@@ -292,11 +345,12 @@ def _read(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes | None:
         return None
 
 
+_LABEL = re.compile(rb"\s*([0-9]+)\s*")  # ASCII digits: int() also reads "1_0" and "٢"
+
+
 def _parse_label(data: bytes | None) -> int | None:
-    try:
-        return int(data.decode().strip()) if data is not None else None
-    except (UnicodeDecodeError, ValueError):
-        return None
+    found = _LABEL.fullmatch(data) if data is not None else None
+    return int(found[1]) if found else None
 
 
 def _scanned(paths: list[str], target_key: str, cache: Path) -> list[tuple[int, int]]:
@@ -328,9 +382,11 @@ def _scanned(paths: list[str], target_key: str, cache: Path) -> list[tuple[int, 
 
 def _shard_set(
     split: str, paths: list[str], lengths: list[int] | None, classes: list[str] | None,
-    input_key: str | None, target_key: str | None, cache: Path,
+    input_key: str | None, target_key: str | None, cache: Path, info: Path | None = None,
+    total: int | None = None,
 ) -> ShardSet:  # fmt: skip
-    """A split whose missing counts (or class count) come from the cached header scan."""
+    """A split whose missing counts (or class count) come from the cached header scan;
+    ``info``'s ``total`` (``num_samples``) must then agree with it."""
     missing = next((p for p in paths if not os.path.isfile(p)), None)
     if missing is not None:
         raise LgvitError(f"shard {missing} of the {split!r} split does not exist")
@@ -338,18 +394,48 @@ def _shard_set(
     if not all(keys):
         raise LgvitError(f"input key {input_key!r} has an empty name (e.g. 'jpg;png;webp')")
     target = (target_key or DEFAULT_TARGET_KEY).strip().lower()
+    declared, inferred = lengths is not None, classes is None
     if lengths is None or classes is None:
         scan = _scanned(paths, target, cache)
         lengths = lengths if lengths is not None else [n for n, _ in scan]
         if classes is None:  # no names anywhere: 0..K-1, K the largest label + 1
-            top = max((t for _, t in scan), default=-1)
-            if top < 0:
-                raise LgvitError(f"no sample of the {split!r} shards has an integer "
-                                 f"{target!r} label (--target-key)")  # fmt: skip
-            classes = [str(i) for i in range(top + 1)]
+            classes = _label_classes(split, paths, [t for _, t in scan], target)
+    if total is not None and sum(lengths) != total:
+        raise LgvitError(f"{info}: splits.{split}.num_samples is {total} but its shards hold "
+                         f"{sum(lengths)} samples")  # fmt: skip
     if sum(lengths) == 0:
         raise LgvitError(f"the {split!r} shards ({paths[0]}, ...) hold no samples")
-    return ShardSet(split, paths, list(lengths), classes, keys, target)
+    return ShardSet(split, paths, list(lengths), classes, keys, target,
+                    counts_from=str(info) if declared else None,
+                    classes_inferred=inferred)  # fmt: skip
+
+
+def _label_classes(split: str, paths: list[str], tops: list[int], target: str) -> list[str]:
+    """Classes 0..K-1, K the largest label + 1, at most ``MAX_CLASSES``: one stray label
+    must not size the head (the sample that holds it named)."""
+    top = max(tops, default=-1)
+    if top < 0:
+        raise LgvitError(f"no sample of the {split!r} shards has an integer {target!r} label "
+                         "(--target-key)")  # fmt: skip
+    if top >= MAX_CLASSES:
+        path = paths[tops.index(top)]
+        key, label = _huge_label(path, target)
+        text = str(label) if len(str(label)) <= 20 else f"{str(label)[:20]}..."
+        raise LgvitError(f"{path} sample {key}: label {text} implies more than {MAX_CLASSES:,} "
+                         "classes, lgvit's bound (core.constants.MAX_CLASSES); is it a "
+                         "stray label?")  # fmt: skip
+    return [str(i) for i in range(top + 1)]
+
+
+def _huge_label(path: str, target: str) -> tuple[str, int]:
+    """The first sample of a shard whose label reaches ``MAX_CLASSES`` (its key, its label)."""
+    with tarfile.open(path, "r:") as tar:
+        for key, members in _samples(tar):
+            label = next((m for m in members if _ext(m) == target), None)
+            value = _parse_label(_read(tar, label)) if label is not None else None
+            if value is not None and value >= MAX_CLASSES:
+                return key, value
+    return "?", MAX_CLASSES  # the shard changed since it was scanned
 
 
 def _load_split(
@@ -357,13 +443,14 @@ def _load_split(
     target_key: str | None, cache: Path, named: str = TRAIN_SPLIT,
 ) -> ShardSet:  # fmt: skip
     info_path = _find_info(data_dir)
-    if info_path is not None:
-        info = _read_info(info_path)
-        paths, lengths = _info_split(info, info_path, split)
-        classes = classes or _info_classes(info)
-    else:
-        paths, lengths = _split_paths(data_dir, split, named), None
-    return _shard_set(split, paths, lengths, classes, input_key, target_key, cache)
+    if info_path is None:
+        paths = _split_paths(data_dir, split, named)
+        return _shard_set(split, paths, None, classes, input_key, target_key, cache)
+    info = _read_info(info_path)
+    paths, lengths, total = _info_split(info, info_path, split)
+    classes = classes or _info_classes(info, info_path)
+    return _shard_set(split, paths, lengths, classes, input_key, target_key, cache, info_path,
+                      total)  # fmt: skip
 
 
 def wds_splits(
@@ -408,6 +495,11 @@ class _Bad(Exception):
     """A sample that cannot be used; its message says why."""
 
 
+class _Mismatch(Exception):
+    """A shard that holds ``args[0]`` samples, not the count the split declares: the run
+    stops (counting on it would drop or invent samples)."""
+
+
 @dataclass
 class _Epoch:
     """What a worker needs to make the rank's batches of one epoch (picklable)."""
@@ -425,6 +517,8 @@ class _Epoch:
     target_key: str
     crop: AugmentConfig
     train: bool
+    split: str = TRAIN_SPLIT
+    counts_from: str | None = None  # ShardSet.counts_from
 
     def __post_init__(self) -> None:
         counts = [self.counts[s] for s in self.order]
@@ -446,6 +540,26 @@ class _Epoch:
         w1 = min(w0 + self.window, self.bounds[-1][1])
         perm = np.random.default_rng(_seed(self.seed, 7, w0)).permutation(w1 - w0) + w0
         return perm[s - w0 : e - w0].tolist()
+
+    def mismatch(self, shard: int, found: int) -> str:
+        """The line for shard ``shard`` holding ``found`` samples, not its count."""
+        n, path = self.counts[shard], self.paths[shard]
+        if self.counts_from is None:
+            return (f"shard {path} holds {found} samples but its cached header scan counted "
+                    f"{n}: was it rewritten during the run?")  # fmt: skip
+        return (f"shard {path} holds {found} samples but {self.counts_from} declares {n} "
+                f"(splits.{self.split}.shard_lengths[{shard}]); correct it, or remove the "
+                "_info.json to have the shards counted")  # fmt: skip
+
+
+def _clean_end(tar: tarfile.TarFile) -> bool:
+    """Whether a shard's members ended where its file does (at the end-of-archive zeros, or
+    at the file's end between members); a truncated shard breaks off in a header or data."""
+    f = tar.fileobj
+    if f is None or tar.offset > f.seek(0, os.SEEK_END):
+        return False
+    f.seek(tar.offset)
+    return not f.read(2 * tarfile.BLOCKSIZE).strip(b"\0")
 
 
 class _Cursor:
@@ -472,8 +586,10 @@ class _Cursor:
             self.tar.close()
         self.tar = self.it = None
 
-    def read(self, path: str, j: int, wanted: set[str]) -> tuple[str, dict[str, bytes]]:
-        """Sample ``j`` of shard ``path``: its key and the bytes of its ``wanted`` members."""
+    def read(self, path: str, j: int, count: int, wanted: set[str]) -> tuple[str, dict[str, bytes]]:
+        """Sample ``j`` of shard ``path`` (``count`` samples, as the split counts them): its
+        key and the bytes of its ``wanted`` members. A shard whose samples end cleanly
+        before ``count``, or go on after it, raises :class:`_Mismatch`."""
         if path != self.path or j < self.next:
             self._open(path)
         if self.error:
@@ -482,7 +598,10 @@ class _Cursor:
         while self.next <= j:
             got = next(self.it, None)
             if got is None:
-                self.error = f"truncated shard: it ends before sample {j}"
+                if _clean_end(self.tar):
+                    raise _Mismatch(self.next)
+                self.error = f"truncated shard: the file breaks off after {self.next} of its "
+                self.error += f"{count} samples"
                 raise _Bad(self.error)
             self.next += 1
         key, members = got
@@ -490,13 +609,17 @@ class _Cursor:
             data = {_ext(m): self.tar.extractfile(m).read() for m in members if _ext(m) in wanted}
         except (OSError, tarfile.TarError) as e:
             raise _Bad(f"truncated shard ({e})") from None
+        if j == count - 1 and next(self.it, None) is not None:  # the last counted: is it?
+            raise _Mismatch(count + 1 + sum(1 for _ in self.it))
         return key, data
 
 
 class _ShardBatches(IterableDataset):
     """Worker ``w`` of ``n`` makes batches ``first + w``, ``first + w + n``, ... as
-    ``(x uint8 (B, 3, S, S), usable, canonical indices, labels, first bad or None)``; the
-    DataLoader's round-robin over the workers then yields them in the rank's order."""
+    ``(x uint8 (B, 3, S, S), usable, canonical indices, labels, first bad or None, None)``;
+    the DataLoader's round-robin over the workers then yields them in the rank's order. A
+    shard that disagrees with its count ends the worker's batches with ``(..., its line)``:
+    an exception would reach the main process as a multi-line traceback."""
 
     def __init__(self, epoch: _Epoch) -> None:
         self.e = epoch
@@ -511,6 +634,8 @@ class _ShardBatches(IterableDataset):
                 if any(u not in raw for u in positions):  # this batch's window, read once
                     raw = self._read_window(k, w, n, cursor)
                 yield self._batch(k, [raw.pop(u) for u in positions])
+        except _Mismatch as m:
+            yield None, None, None, None, None, str(m)
         finally:
             cursor.close()
 
@@ -528,10 +653,12 @@ class _ShardBatches(IterableDataset):
         for u in positions:
             shard, j = e.where(u)
             try:
-                key, data = cursor.read(e.paths[shard], j, wanted)
+                key, data = cursor.read(e.paths[shard], j, e.counts[shard], wanted)
                 raw[u] = (shard, j, key, data)
-            except _Bad as bad:
-                raw[u] = (shard, j, f"sample {j}", bad)
+            except _Bad as bad:  # no key read: named by its position
+                raw[u] = (shard, j, f"#{j}", bad)
+            except _Mismatch as m:
+                raise _Mismatch(e.mismatch(shard, m.args[0])) from None
         return raw
 
     def _batch(self, k: int, samples: list) -> tuple:
@@ -549,7 +676,7 @@ class _ShardBatches(IterableDataset):
                 ok[i] = True
             except _Bad as bad:
                 first_bad = first_bad or f"{e.paths[shard]} sample {key}: {bad}"
-        return x, ok, idx, y, first_bad
+        return x, ok, idx, y, first_bad, None
 
     def _sample(self, data: dict[str, bytes] | _Bad, rng: random.Random) -> tuple:
         """(label, uint8 (3, S, S) image) of one sample's raw members."""
@@ -631,7 +758,7 @@ class ShardLoader(RecipeLoader):
         return _Epoch(
             sp.paths, sp.counts, [int(s) for s in order], start, bounds, window, first,
             _seed(r.seed, r.epoch, r.rank, 6), r.num_classes, sp.input_keys, sp.target_key,
-            self.crop, r.train,
+            self.crop, r.train, sp.split, sp.counts_from,
         )  # fmt: skip
 
     def _count_bad(self, ok: torch.Tensor, first_bad: str | None) -> None:
@@ -656,7 +783,9 @@ class ShardLoader(RecipeLoader):
             _ShardBatches(self.epoch_plan(start)), batch_size=None, num_workers=self.workers,
             pin_memory=r.device.type == "cuda", generator=own_generator(),
         )  # fmt: skip
-        for x, ok, idx, y, first_bad in batches:
+        for x, ok, idx, y, first_bad, mismatch in batches:
+            if mismatch is not None:
+                raise LgvitError(mismatch)
             self._count_bad(ok, first_bad)
             batch = self.recipe_batch(x, y, idx, ok, gen)
             if batch is not None:

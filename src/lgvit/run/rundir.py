@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lgvit.checkpoints.files import checkpoint_paths, load_record
+from lgvit.checkpoints.files import checkpoint_paths, load_record, load_train_state
 from lgvit.checkpoints.record import CheckpointRecord
 from lgvit.core.errors import LgvitError
 from lgvit.run.kept import KEPT_DIR, KEPT_INDEX
@@ -191,12 +191,37 @@ def find_resume(resume: str | None, out: Path, given: Iterable[str]) -> Path | N
         raise LgvitError(f"--resume {resume}: no checkpoint found there")
     found = run_files(out)
     if found and stem.parent.resolve() != Path(out).resolve():
-        raise LgvitError(
-            f"--resume {resume}: a checkpoint of another run ({stem.parent}), and {out} holds "
-            f"its own ({', '.join(found[:3])}); continue that run with --out {stem.parent}, "
-            f"this one with --resume auto, or resume into a new --out"
-        )
+        raise LgvitError(_from_elsewhere(resume, stem, out, found))
     return stem
+
+
+# The files a run keeps beside its checkpoints: a folder without them holds copies only.
+_RUN_RECORDS = ("metrics.jsonl", "train.log", "config.yaml")
+
+
+def _from_elsewhere(resume: str, stem: Path, out: Path, found: list[str]) -> str:
+    """Why ``--resume`` of a checkpoint in another folder may not go into ``out``, which holds
+    a run: that folder's run, or (a checkpoint copied away from its run) the run its config
+    says it was started in."""
+    holds = f"{out} holds a run of its own ({', '.join(found[:3])})"
+    started = None
+    if not any((stem.parent / name).exists() for name in _RUN_RECORDS):
+        try:
+            started = (load_train_state(stem).get("config") or {}).get("out")
+        except LgvitError:  # unreadable: refused in the run's words when resumed elsewhere
+            started = None
+    if not isinstance(started, str) or Path(started).resolve() == stem.parent.resolve():
+        return (
+            f"--resume {resume}: a checkpoint of another run ({stem.parent}), and {holds}; "
+            f"continue that run with --out {stem.parent}, this one with --resume auto, or "
+            "resume into a new --out"
+        )
+    return (
+        f"--resume {resume}: the checkpoint of a run started in {started} (its config says), "
+        f"copied to {stem.parent}, and {holds}; start a new run from its weights with "
+        f"--initial-checkpoint {resume} (another --out), continue that run where it was "
+        f"started (--out {started} --resume auto), or resume it into a new --out"
+    )
 
 
 def check_mid_epoch_batch(
