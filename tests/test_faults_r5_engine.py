@@ -8,10 +8,13 @@ its own architectures."""
 from __future__ import annotations
 
 import json
+import warnings
 
+import numpy as np
 import pytest
 import torch
 from conftest import quick_init
+from PIL import Image
 from safetensors.torch import load_file
 
 import lgvit
@@ -119,3 +122,49 @@ def test_a_seed_fixes_a_fine_tuning_run_whatever_the_cache_holds(releases, tmp_p
         assert a.keys() == b.keys()
         for k in a:
             assert torch.equal(a[k], b[k]), (what, k)
+
+
+def _images(folder, names: list[str], seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(folder / name)
+
+
+def _tree(root, per_class: int, val: int = 2) -> None:
+    """An image folder: ``per_class`` training images in each of three classes, ``val``
+    validation ones."""
+    for c in ("ant", "bee", "cat"):
+        _images(root / "train" / c, [f"{i}.png" for i in range(per_class)])
+        _images(root / "val" / c, [f"{i}.png" for i in range(val)], seed=1)
+
+
+def _train(*args: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a warm-up as long as the run
+        assert main(["train", *args]) == 0
+
+
+def _folder_run(data, out, *more: str) -> list[str]:
+    return ["--model", "lsa_micro_cifar", "--img-size", "16", "--data", "imagefolder",
+            "--data-dir", str(data), "--batch-size", "6", "--amp", "none", "--out", str(out),
+            "--set", f"cache_dir={out.parent / 'cache'}", "--set", "log_every=1000",
+            "--set", "workers=0", *more]  # fmt: skip
+
+
+# ---------------------------------------------------- 13: a window longer than the epoch
+
+
+def test_an_accumulation_window_longer_than_the_epoch_is_refused(tmp_path, capsys):
+    """512 images in batches of 128: 4 an epoch; a window of 100 stepped once an epoch with
+    the lr scaled for a global batch of 12800, said nowhere."""
+    out = tmp_path / "run"
+    code, _, err = _cli(capsys, "train", "--model", "lsa_micro_cifar", "--img-size", "16",
+                        "--data", "synthetic", "--batch-size", "128", "--iters", "2",
+                        "--grad-accum-steps", "100", "--out", str(out))  # fmt: skip
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    for needle in ("--grad-accum-steps 100", "the epoch's 4 batch(es) of 128",
+                   "global batch of 12800", "use at most --grad-accum-steps 4"):  # fmt: skip
+        assert needle in lines[0], lines[0]
+    assert not out.exists()  # nothing written

@@ -26,8 +26,6 @@ import torch.nn as nn
 from lgvit.checkpoints.files import (
     build_train_state,
     check_same_classes,
-    checkpoint_paths,
-    load_checkpoint_pair,
     load_initial_weights,
     restore_rng_state,
     save_checkpoint,
@@ -49,7 +47,7 @@ from lgvit.core.runtime import (
 from lgvit.data.protocol import Loader, TrainLoader, check_loaders
 from lgvit.inference import initial_weights_file
 from lgvit.models.download import random_state_kept
-from lgvit.run.config import TrainConfig, config_from_dict, config_to_dict, save_config, scaled_lr
+from lgvit.run.config import TrainConfig, config_to_dict, save_config, scaled_lr
 from lgvit.run.kept import keep_epoch
 from lgvit.run.loggers import RunLoggers, check_loggers, epoch_scalars
 from lgvit.run.nonfinite import NonFiniteGuard
@@ -69,13 +67,11 @@ from lgvit.run.rundir import (
     Resumed,
     RunLock,
     RunLog,
-    check_mid_epoch_batch,
-    check_resume_keys,
-    find_resume,
     global_batch_text,
     remove_stale_temps,
     rescale_resume,
 )
+from lgvit.run.startup import check_accum_window, resumed_config
 
 # --------------------------------------------------------------------------------- the task
 
@@ -414,38 +410,6 @@ def run(
             out.rmdir()  # a refused start leaves no trace
 
 
-def _resumed_config(
-    cfg: TrainConfig, task: Task, explicit: Any, out: Path, d: Dist
-) -> tuple[TrainConfig, Path | None, Any, Any]:
-    """(config, resume stem, weights, state): the saved run's config with this invocation's
-    explicit keys on top when resuming; a run directory that already holds a run is refused
-    without --resume."""
-    stem = find_resume(cfg.resume, out, [k for k in task.identity_keys if k in explicit])
-    if stem is None and checkpoint_paths(out / "last")[0].exists():
-        raise LgvitError(
-            f"{out} already holds a run; pass --resume auto to continue it, or another --out"
-        )
-    if stem is None:
-        return cfg, None, None, None
-    if "initial_checkpoint" in explicit and cfg.initial_checkpoint:
-        raise LgvitError("--initial-checkpoint starts a new run; a resumed run continues from "
-                         f"its own weights in {stem} (drop one of the two)")  # fmt: skip
-    weights, state = load_checkpoint_pair(stem, repair=d.main)
-    saved = config_from_dict(state["config"], source=f"{stem}")
-    check_resume_keys(saved, cfg, explicit, stem, task.identity_keys)
-    asked = {k: getattr(cfg, k) for k in ("batch_size", "grad_accum_steps") if k in explicit}
-    check_mid_epoch_batch(state, asked.get("batch_size"), stem, d.world_size,
-                          asked.get("grad_accum_steps"))  # fmt: skip
-    now = config_to_dict(cfg)
-    keep = {k: now[k] for k in {"out", "resume", *explicit} - {"initial_checkpoint"}}
-    return (
-        config_from_dict({**config_to_dict(saved), **keep}, source="resume"),
-        stem,
-        weights,
-        state,
-    )
-
-
 def _optimisation(
     cfg: TrainConfig, task: Task, prepared: Prepared, d: Dist, amp: Any
 ) -> Optimisation:
@@ -514,7 +478,8 @@ def _start(
     """Everything before the first step: config (resumed or not), model and data, weights,
     run files, optimisation, restored state, DDP and compile."""
     log = RunLog(out, d.main)
-    cfg, stem, weights, state = _resumed_config(cfg, task, explicit, out, d)
+    cfg, stem, weights, state = resumed_config(cfg, task.identity_keys, explicit, out, d.main,
+                                               d.world_size)  # fmt: skip
     ctl.cfg = cfg
     set_numerics(d.device, cfg.tf32, cfg.deterministic)  # before the run's first matmul
     if d.main:
@@ -528,6 +493,7 @@ def _start(
     seed_everything(cfg.seed + d.rank)
     prepared = task.prepare(cfg, d)
     check_loaders(prepared.train_loader, prepared.test_loader)  # before hours of training
+    check_accum_window(cfg, len(prepared.train_loader), d.world_size, explicit)
     model, spe = prepared.model, steps_per_epoch(cfg, len(prepared.train_loader))
     start_note = None  # a resume rescaled, or the fine-tuning start: logged after the reset
     if stem is not None:  # refused before anything is written, then noted once it starts
