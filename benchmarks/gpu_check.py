@@ -1,25 +1,34 @@
-"""The GPU check: one command, at most 8 minutes on one H100, a JSON and a markdown report.
+"""The GPU check: one command, at most 8 minutes on one H100 or H200, a JSON and a markdown report.
 
-    PYTHONPATH=src python benchmarks/gpu_check.py --out OUT --cifar gpu_data/cifar10-jpeg.tar.gz
+    PYTHONPATH=src python benchmarks/gpu_check.py --out OUT --cifar gpu_data/cifar10-jpeg.tar.gz \
+        [--authors-lsa PATH/Locally-SAG-Transformer]
     PYTHONPATH=src python benchmarks/gpu_check.py --out /tmp/smoke --smoke     # CPU, tiny sizes
 
 Parts (each in its own process, with its own time budget: a part that hangs, crashes the CUDA
-context or runs out of time is recorded as such and the next part runs; the reports are
-rewritten after every part, so a check killed from outside still leaves the parts done):
+context or runs out of time is recorded as such and the rest goes on; the reports are rewritten
+after every part, so a check killed from outside still leaves the parts done). a, b and c only
+check correctness and run at the same time, beside a process that compiles d's graphs into the
+compiler's on-disk caches; d and e time things and run alone:
 
-  a. CUDA against CPU per model family: fp32 logits and gradients, bf16 finite and close;
-  b. the CUDA test subset: ``LGVIT_TEST_DEVICE=cuda pytest -m device`` over the test files that
-     hold such tests (tests/test_device.py and any other);
-  c. training through the engine in bf16 / fp16 / fp32 with fused AdamW, SGD, LAMB, EMA and the
-     non-finite skip; ``torch.cuda.set_sync_debug_mode`` over the augmentation and 20 steps;
-  d. ``lgvit bench`` on CUDA, bf16, eager and compiled, beside the papers' GPU throughputs and
-     timm's own model in the same process; LIT's DTM with each deformable kernel;
-  e. lsa_tiny_cifar trained on CIFAR-10 (the JPEG tarball, ``--cifar``) for ~2.5 minutes;
-  f. compile time, compiled/eager speed and equality of LSA and LIT.
+  a. every model family on CUDA against the CPU in IEEE fp32 (TF32 off) by the gradient rule of
+     ``lgvit.tools.measure`` (the device tests' own), bf16 finite and close; then every
+     registered model's bf16 training step at batch 256 (1024 at 32 px);
+  b. the device tests, ``LGVIT_TEST_DEVICE=cuda pytest -m device`` in one pytest run (its
+     xdist workers, where pytest-xdist is installed), the DDP and dense-task ones after;
+  c. training through the engine in bf16 / fp16 / fp32 with fused AdamW, SGD, LAMB, EMA,
+     accumulation, channels-last and the non-finite skip, in this process (the command's own
+     function); ``torch.cuda.set_sync_debug_mode`` over the augmentation and the steps;
+  d. ``lgvit bench`` in bf16: the batch sweep (``--batch-size auto``) eager, then compiled at
+     batch 128, of lit_s, lsa_small_224 and deit_tiny, deit_small and swin_tiny beside timm's
+     (same process, same steps, same drop path); lsa_tiny_cifar beside the LSA authors' model
+     at batch 512 (``--authors-lsa``); the compiled logits against eager's; LIT's DTM kernels;
+  e. lsa_tiny_cifar trained on CIFAR-10 (the JPEG tarball, ``--cifar``) for ~2.5 minutes.
 
-Only the machine's own torch (and torchvision, timm, pytest where installed) is needed; a part
-whose package is missing is skipped with one line. ``--smoke`` runs every part at tiny sizes on
-the CPU (synthetic data, no CIFAR, the compiler's ``eager`` backend) so the check never rots.
+The report's first table lists each goal with its measured figure and whether it holds.
+Only the machine's own torch (and torchvision, timm, pytest, pytest-xdist, einops where
+installed) is needed; a part whose package is missing is skipped with one line. ``--smoke``
+runs every part at tiny sizes on the CPU (synthetic data, no CIFAR, the compiler's ``eager``
+backend) so the check never rots.
 """
 
 from __future__ import annotations
@@ -33,7 +42,6 @@ import math
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,35 +54,38 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_peers, beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_peers, bench_lsa, beside this
 
-# (key, title, seconds on one H100): the budgets sum to under 8 minutes with the start-up.
+# (key, title, seconds on one H100): a group's parts run at the same time, a group as long as
+# its longest part; the groups' budgets and the runner's start-up fit 8 minutes.
 PARTS = (
-    ("a", "CUDA against CPU per model family", 35),
-    ("b", "the CUDA test subset (LGVIT_TEST_DEVICE=cuda)", 45),
-    ("c", "training: precisions, optimizers, EMA, non-finite skip, host syncs", 45),
-    ("d", "lgvit bench on CUDA (bf16, eager and compiled) beside papers and timm", 85),
+    ("a", "IEEE fp32 against the CPU per family; every model's bf16 training step", 95),
+    ("b", "the device tests on CUDA (LGVIT_TEST_DEVICE=cuda, one pytest run)", 95),
+    ("c", "training: precisions, optimizers, EMA, accumulation, non-finite skip, host syncs", 60),
+    ("d", "lgvit bench: batch sweep, eager and compiled, beside timm and the LSA authors'", 150),
     ("e", "lsa_tiny_cifar on CIFAR-10 for ~2.5 minutes", 215),
-    ("f", "compile time, compiled/eager speed and equality of LSA and LIT", 45),
 )
+GROUPS = ("abc", "d", "e")  # correctness side by side; timing alone
+WARM_S = 70  # the compile-cache warm-up beside the first group (it ends before a's retries)
+WARM_MEMORY = 0.25  # of the GPU's memory, at most, for the warm-up: a's big batches need it
 TOTAL_S = 470  # the whole check, its own start-up included: under 8 minutes
-SMOKE_PART_S = 120  # a part's limit with --smoke (a slow shared CPU; the test asks far less)
+SMOKE_PART_S = 240  # a part's limit with --smoke (a slow shared CPU; the test asks far less)
 
-# a: one model per family (smoke: the same families at their smoke_input_size).
+# a: one model per family; the agreement at a small batch, then every model at the GPU batch.
 FAMILY_MODELS = (
     "lsa_tiny_cifar", "localvit_tiny", "lit_ti", "pvt_tiny", "swin_tiny", "deit_tiny",
     "t2t_vit_7", "tnt_tiny",
 )  # fmt: skip
-# d: the issue's list, the goals' models first (the compiled pass stops when time runs out).
-BENCH_MODELS = (
-    "lsa_tiny_cifar", "lsa_small_224", "lit_s", "lsa_small_cifar", "lsa_tiny_224", "lit_ti",
-    "localvit_tiny", "deit_tiny", "swin_tiny",
-)  # fmt: skip
-SMOKE_MODEL = "lsa_micro_cifar"  # the smallest model: smoke runs of b-f
+AGREE_BATCH = 4
+GPU_BATCH, GPU_BATCH_32 = 256, 1024  # a's training step; at 32 px
+BF16_LOGITS_TOL = 5e-2  # bf16 against the CPU's fp32; and compiled bf16 against eager bf16
+# d: beside timm's model (bench_peers.PEERS), then lgvit's own; compiled at one batch.
+PAIRS = ("deit_tiny", "deit_small", "swin_tiny")
+OWN = ("lit_s", "lsa_small_224")
+COMPILED_BATCH = 128  # d's compiled steps (the warm-up compiles them): 224 px, in memory beside a
+AUTHORS_BATCH = 512
+SMOKE_MODEL = "lsa_micro_cifar"  # the smallest model: smoke runs
 CIFAR_MINUTES = 2.5  # e: the training budget
-
-# a: the agreement asked of CUDA with the CPU (relative Frobenius error over the tensor).
-FP32_LOGITS_TOL, FP32_GRAD_TOL, BF16_LOGITS_TOL = 1e-3, 1e-2, 5e-2
 
 
 # ----------------------------------------------------------------------------- part records
@@ -96,6 +107,10 @@ class Part:
     @property
     def device(self) -> str:
         return self.args.device
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
 
     def scratch(self, name: str) -> Path:
         """A folder for the part's runs, beside its result file: the runner removes it."""
@@ -140,12 +155,6 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def rel_err(a: Any, b: Any) -> float:
-    """||a - b|| / (||b|| + 1e-8) in float64 (on the CPU)."""
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return float((a - b).norm() / (b.norm() + 1e-8))
-
-
 def sync(device: str) -> None:
     import torch
 
@@ -153,67 +162,79 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def median_seconds(fn: Callable[[], Any], device: str, reps: int) -> float:
-    from lgvit.tools.measure import timed
+def free(device: str) -> None:
+    import gc
 
-    return statistics.median(timed(fn, device) for _ in range(reps))
+    import torch
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
-# ---------------------------------------------------------------------------- a. CUDA vs CPU
+# ------------------------------------------------------------- a. CUDA against the CPU, bf16
 
 
 def part_a(p: Part) -> None:
     import torch
 
-    from lgvit.models import create_model, get_model_config
-
-    names = FAMILY_MODELS[:3] if p.smoke else FAMILY_MODELS  # smoke: LSA, LocalViT, LIT
-    for name in names:
+    if not p.smoke:
+        torch.set_num_threads(4)  # the CPU's references, beside b, c and the warm-up
+    for name in FAMILY_MODELS[:3] if p.smoke else FAMILY_MODELS:  # smoke: LSA, LocalViT, LIT
         if p.left() < 3:
             p.note(f"out of time before {name}")
-            break
-
-        def check(name: str = name) -> dict[str, Any]:
-            size = get_model_config(name).smoke_input_size if p.smoke else None
-            kwargs = {"img_size": size[-1]} if size else {}
-            torch.manual_seed(0)
-            cpu = create_model(name, **kwargs).eval()  # eval: no stochastic depth
-            with torch.no_grad():  # off zero-initialised points (LIT's offsets: bilinear kinks)
-                for w in cpu.parameters():
-                    w.add_(torch.randn_like(w), alpha=0.02)
-            dev = copy.deepcopy(cpu).to(p.device)
-            shape = size or get_model_config(name).input_size
-            x = torch.randn(2 if p.smoke else 4, *shape)
-            y = torch.arange(x.shape[0]) % 10
-            ref, ref_g = _logits_and_grads(cpu, x, y, None)
-            got, got_g = _logits_and_grads(dev, x.to(p.device), y.to(p.device), None)
-            logits = rel_err(got, ref)
-            grad, worst = max((rel_err(got_g[k], ref_g[k]), k) for k in ref_g)
-            dtype = torch.bfloat16
-            bf, bf_g = _logits_and_grads(dev, x.to(p.device), y.to(p.device), dtype)
-            finite = bool(torch.isfinite(bf).all()) and all(
-                bool(torch.isfinite(g).all()) for g in bf_g.values()
-            )
-            bf_err = rel_err(bf.float(), ref)
-            ok = logits < FP32_LOGITS_TOL and grad < FP32_GRAD_TOL
-            ok = ok and finite and bf_err < BF16_LOGITS_TOL
-            return {
-                "ok": ok, "input": shape[-1], "fp32_logits_rel_err": logits,
-                "fp32_grad_worst_rel_err": grad, "worst_grad": worst, "bf16_finite": finite,
-                "bf16_logits_rel_err": bf_err,
-            }  # fmt: skip
-
-        p.item(name, check)
-    if p.device.startswith("cuda"):
-        with contextlib.suppress(Exception):  # the flags a newer torch may rename
-            p.data["tf32"] = {
-                "matmul": torch.backends.cuda.matmul.allow_tf32,
-                "cudnn": torch.backends.cudnn.allow_tf32,
-            }
+            return
+        p.item(f"fp32 {name}", lambda name=name: _agreement(p, name))
     p.note(
-        f"pass: fp32 logits < {FP32_LOGITS_TOL}, worst gradient < {FP32_GRAD_TOL}, bf16 logits "
-        f"< {BF16_LOGITS_TOL} relative to the CPU's fp32; eval mode, no stochastic depth"
+        "fp32: IEEE (TF32 off) against the CPU, training mode without dropout or drop path, "
+        "logits' relative error < measure.LOGITS_TOL and every gradient by measure.grad_errors "
+        f"< measure.GRAD_TOL; bf16 finite, logits within {BF16_LOGITS_TOL} of the CPU's fp32"
     )
+    _gpu_batch_steps(p)
+
+
+def _agreement(p: Part, name: str) -> dict[str, Any]:
+    """The family's model on the device against the CPU: fp32 logits and gradients by the rule
+    the device tests use, bf16 finite and close."""
+    import torch
+
+    from lgvit.models import create_model, get_model_config
+    from lgvit.tools.measure import (
+        GRAD_TOL,
+        LOGITS_TOL,
+        ieee_fp32,
+        relative_error,
+        without_randomness,
+        worst_grad_error,
+    )  # fmt: skip
+
+    size = get_model_config(name).smoke_input_size if p.smoke else None
+    torch.manual_seed(0)
+    cpu = create_model(name, **({"img_size": size[-1]} if size else {})).train()
+    without_randomness(cpu)
+    with torch.no_grad():  # off zero-initialised points (LIT's offsets: bilinear kinks)
+        for w in cpu.parameters():
+            w.add_(torch.randn_like(w), alpha=0.02)
+    dev = copy.deepcopy(cpu).to(p.device)
+    shape = size or get_model_config(name).input_size
+    x = torch.randn(2 if p.smoke else AGREE_BATCH, *shape)
+    y = torch.arange(x.shape[0]) % 10
+    ref, ref_g = _logits_and_grads(cpu, x, y, None)
+    with ieee_fp32():
+        got, got_g = _logits_and_grads(dev, x.to(p.device), y.to(p.device), None)
+    logits = relative_error(got, ref)
+    grad, worst = worst_grad_error(got_g, ref_g)
+    bf, bf_g = _logits_and_grads(dev, x.to(p.device), y.to(p.device), torch.bfloat16)
+    finite = bool(torch.isfinite(bf).all()) and all(
+        bool(torch.isfinite(g).all()) for g in bf_g.values()
+    )
+    bf_err = relative_error(bf.float(), ref)
+    ok = logits < LOGITS_TOL and grad < GRAD_TOL and finite and bf_err < BF16_LOGITS_TOL
+    return {
+        "ok": ok, "input": shape[-1], "fp32_logits_rel_err": logits,
+        "fp32_grad_worst_err": grad, "worst_grad": worst, "bf16_finite": finite,
+        "bf16_logits_rel_err": bf_err,
+    }  # fmt: skip
 
 
 def _logits_and_grads(model: Any, x: Any, y: Any, amp: Any) -> tuple[Any, dict[str, Any]]:
@@ -229,7 +250,104 @@ def _logits_and_grads(model: Any, x: Any, y: Any, amp: Any) -> tuple[Any, dict[s
     return out.detach(), grads
 
 
-# ------------------------------------------------------------------------- b. CUDA test subset
+def _gpu_batch_steps(p: Part) -> None:
+    """Every registered model's bf16 training step (forward, backward, fused AdamW) at batch
+    256 (1024 at 32 px). A model out of memory is tried again once the warm-up has given its
+    memory back, then at halved batches: the largest that trains is recorded beside the miss."""
+    import lgvit
+
+    names = [SMOKE_MODEL, "deit_tiny"] if p.smoke else lgvit.list_models()
+    p.data["models"] = len(names)
+    missed = []
+    for name in names:
+        if p.left() < 3:
+            p.note(f"bf16 steps: out of time before {name}")
+            return
+        row = p.item(f"bf16 step {name}", lambda name=name: _gpu_batch_step(p, name, once=True))
+        if row.get("out_of_memory"):
+            missed.append(name)
+    if missed and p.args.warm_done:
+        while not Path(p.args.warm_done).exists() and p.left() > 10:
+            time.sleep(0.5)
+    for name in missed:
+        if p.left() < 5:
+            p.note(f"bf16 steps: out of time before trying {name} again")
+            return
+        p.item(f"bf16 step {name}, again", lambda name=name: _gpu_batch_step(p, name, once=False))
+
+
+def _gpu_batch_step(p: Part, name: str, once: bool) -> dict[str, Any]:
+    import torch
+
+    from lgvit.models import create_model, get_model_config
+    from lgvit.tools.bench import is_out_of_memory
+    from lgvit.tools.measure import make_step
+
+    size = get_model_config(name).smoke_input_size if p.smoke else None
+    shape = size or get_model_config(name).input_size
+    target = 2 if p.smoke else GPU_BATCH_32 if shape[-1] == 32 else GPU_BATCH
+    kw = {"img_size": size[-1]} if size else {}
+    torch.manual_seed(0)
+    try:
+        with torch.device(p.device):  # initialised where it trains: seconds less a large model
+            model = create_model(name, **kw)
+    except Exception:  # noqa: BLE001 -- a model whose set-up wants the CPU: built there
+        model = create_model(name, **kw).to(p.device)
+
+    live = {"model": model}  # emptied after the tries: its memory goes back before the next
+
+    def step_at(batch: int) -> None:
+        step = make_step(live["model"], shape, batch, True, torch.bfloat16, device=p.device)
+        try:
+            step()
+            sync(p.device)
+        finally:
+            del step
+            live["model"].zero_grad(set_to_none=True)
+            free(p.device)
+
+    if p.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trains_at = largest_batch(step_at, target, target if once else min(8, target),
+                              is_out_of_memory)  # fmt: skip
+    live.clear()
+    del model
+    free(p.device)
+    row: dict[str, Any] = {"input": shape[-1], "batch": target, "trains": trains_at == target}
+    if p.cuda:
+        row["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    if trains_at != target:
+        row.update(ok=False, out_of_memory=True, error=f"out of memory at batch {target}")
+        if trains_at:
+            row["trains_at"] = trains_at
+    return row
+
+
+def largest_batch(
+    step_at: Callable[[int], None], target: int, smallest: int, oom: Callable[[Exception], bool]
+) -> int | None:
+    """``target`` if ``step_at(target)`` runs, else the largest of its halvings down to
+    ``smallest`` that does (None: none does). Errors other than out-of-memory are raised."""
+    batch = target
+    while batch >= smallest:
+        try:
+            step_at(batch)
+            return batch
+        except Exception as e:
+            if not oom(e):
+                raise
+        batch //= 2
+    return None
+
+
+# ------------------------------------------------------------------------- b. the device tests
+
+# The device tests in two selections: the slow ones (several processes, dense tasks) after.
+TEST_SELECTIONS = (
+    ("device and not (ddp or dense)", "the device tests"),
+    ("device and (ddp or dense)", "the DDP and dense-task device tests"),
+)
+XDIST_WORKERS = 4  # a CUDA context each; beside a, c and the warm-up on 16 cores
 
 
 def device_test_files() -> list[Path]:
@@ -248,33 +366,40 @@ def part_b(p: Part) -> None:
         p.data["skipped"] = "pytest is not installed"
         return
     env = {**os.environ, "PYTHONPATH": _pythonpath()}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "device",
-           *(str(f.relative_to(ROOT)) for f in files)]  # fmt: skip
-    if p.smoke:  # the check's smoke test runs inside the suite: collect only
-        cmd.append("--collect-only")
-    else:
+    if not p.smoke:
         env["LGVIT_TEST_DEVICE"] = "cuda"
+    workers = XDIST_WORKERS if importlib.util.find_spec("xdist") and not p.smoke else 0
+    if not workers and not p.smoke:
+        p.note("pytest-xdist is not installed: the tests run one after another")
+    for i, (marker, words) in enumerate(TEST_SELECTIONS):
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker,
+               *(str(f.relative_to(ROOT)) for f in files)]  # fmt: skip
+        cmd += ["-n", str(workers)] if workers else ["-p", "no:xdist"]
+        if p.smoke:  # the check's smoke test runs inside the suite: collect only
+            cmd.append("--collect-only")
+        reserve = 30 if i == 0 and not p.smoke else 3  # the slow ones' share of the time
+        prefix = "" if p.smoke else "LGVIT_TEST_DEVICE=cuda "
+        p.item(f"{words}: {prefix}pytest -m '{marker}'" + (f" -n {workers}" if workers else ""),
+               lambda cmd=cmd, reserve=reserve: _pytest(p, cmd, env, reserve))  # fmt: skip
 
-    def run() -> dict[str, Any]:
-        rc, out = run_group(cmd, env, max(5.0, p.left() - 3))
-        counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", out)}
-        collected = re.findall(r"^\S+\.py: (\d+)$", out, re.M)  # -q --collect-only
-        if collected:
-            counts["collected"] = sum(int(n) for n in collected)
-        failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
-        return {"ok": rc == 0, "rc": rc, **counts, "failed_tests": failed[:30],
-                "tail": out[-1500:] if rc != 0 else ""}  # fmt: skip
 
-    prefix = "" if p.smoke else "LGVIT_TEST_DEVICE=cuda "
-    p.item(prefix + "pytest -m device " + " ".join(cmd[8:]), run)
+def _pytest(p: Part, cmd: list[str], env: dict[str, str], reserve: float) -> dict[str, Any]:
+    rc, out = run_group(cmd, env, max(5.0, p.left() - reserve))
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", out)}
+    collected = re.findall(r"^\S+\.py: (\d+)$", out, re.M)  # -q --collect-only
+    if collected:
+        counts["collected"] = sum(int(n) for n in collected)
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    return {"ok": rc == 0, "rc": rc, **counts, "failed_tests": failed[:30],
+            "tail": out[-1500:] if rc != 0 else ""}  # fmt: skip
 
 
 def run_group(
-    cmd: list[str], env: dict[str, str], timeout: float, own_group: bool = False
+    cmd: list[str], env: dict[str, str], timeout: float, own_group: bool = True
 ) -> tuple[int | str, str]:
-    """``cmd``'s exit status (``"timeout"`` past ``timeout`` seconds) and its output.
-    ``own_group``: it runs in a process group of its own, killed whole at the limit (a part,
-    with what it started: pytest, lgvit train and its workers, which stay in its group)."""
+    """``cmd``'s exit status (``"timeout"`` past ``timeout`` seconds) and its output. It runs in
+    a process group of its own, killed whole at the limit (pytest with its xdist workers,
+    lgvit train with its loader's workers)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=ROOT, start_new_session=own_group)  # fmt: skip
     try:
@@ -295,8 +420,10 @@ def _pythonpath() -> str:
 
 
 def _train(args: list[str], out: Path) -> dict[str, Any]:
-    """``lgvit train`` in this process (its warnings recordable: cli.main would print them),
-    returning the last epoch's metrics; a refusal or failure raises."""
+    """``lgvit train`` in this process, as ``lgvit.cli.main`` runs it (its parser, then the
+    command's function; one CUDA context for every run), returning the last epoch's metrics;
+    a refusal or failure raises. Not ``main`` itself: it replaces ``warnings.showwarning`` for
+    good, and the sync items record warnings."""
     from lgvit.cli import build_parser
 
     ns = build_parser().parse_args(["train", *args, "--out", str(out)])
@@ -311,7 +438,7 @@ def _train_args(p: Part, amp: str, *extra: str) -> list[str]:
     size = "16" if p.smoke else "32"
     return [
         "--model", SMOKE_MODEL, "--data", "synthetic", "--img-size", size,
-        "--batch-size", "16" if p.smoke else "128", "--iters", "2" if p.smoke else "20",
+        "--batch-size", "16" if p.smoke else "128", "--iters", "2" if p.smoke else "10",
         "--device", p.device, "--amp", amp, "--set", "log_every=1000",
         "--set", "warmup_epochs=0", *extra,
     ]  # fmt: skip
@@ -379,7 +506,7 @@ def part_c(p: Part) -> None:
             "note": "the whole run under 'warn': steps, the last evaluation and the save",
         }
 
-    p.item("20 steps + augmentation: host syncs by line (mode 'warn')", steps)
+    p.item("10 steps + augmentation: host syncs by line (mode 'warn')", steps)
     if not p.device.startswith("cuda"):
         p.note("set_sync_debug_mode is CUDA only: on the CPU the sync items only run the code")
     del torch
@@ -398,7 +525,7 @@ def _nonfinite(p: Part, tmp: Path) -> dict[str, Any]:
 
     ClassificationTask.loss = loss
     try:
-        iters = "4" if p.smoke else "20"
+        iters = "4" if p.smoke else "10"
         args = _train_args(p, "bf16", "--set", "max_nonfinite=5", "--iters", iters)
         m = _train(args, tmp / "nonfinite")
     finally:
@@ -439,75 +566,164 @@ def _aug_syncs(p: Part, mode: str) -> dict[str, Any]:
 
 
 def part_d(p: Part) -> None:
-    import torch
-
-    from lgvit.tools.bench import DEFAULT_BATCH, BenchOptions, run_bench
-
-    names = [SMOKE_MODEL] if p.smoke else list(BENCH_MODELS)
-    kw = dict(device=p.device, amp="bf16", train=True, batch_size=2 if p.smoke else DEFAULT_BATCH,
-              img_size=16 if p.smoke else None, rounds=1 if p.smoke else 5)  # fmt: skip
     if p.smoke:
-        kw["memory"] = False  # a fresh process per probe: seconds each on a CPU
-    eager = p.item("eager", lambda: _bench(run_bench(names, BenchOptions(**kw), log=print)))
-    p.data["eager"] = eager.pop("rows", [])
-    p.save()
-    p.item("timm's own models, same process", lambda: _timm_peers(p, kw))
-    p.item("LIT DTM: each deformable kernel", lambda: _dtm_kernels(p))
-    if p.smoke:
-        p.note("compiled: not in --smoke (inductor takes minutes on a CPU); part f compiles")
-        return
-    p.data["compiled"] = []
-    for name in names:
-        if p.left() < 45:  # a model's inductor compile (infer and train) takes ~20-40 s
+        eager_compiler()
+    names = [SMOKE_MODEL, "deit_tiny"] if p.smoke else [*PAIRS, *OWN]
+    need = 5 if p.smoke else 25  # seconds an item needs at least: else it is left out
+    for name in names:  # eager, the batch sweep: every model first (the compiled runs may not fit)
+        if p.left() < need:
+            p.note(f"eager: out of time before {name}")
+            break
+        p.item(f"eager {name}", lambda name=name: _bench_item(p, name, compiled=False))
+    if p.args.authors_lsa:
+        if p.left() >= need:
+            p.item(f"lsa_tiny_cifar beside the LSA authors' model, batch {AUTHORS_BATCH}",
+                   lambda: _authors(p))  # fmt: skip
+    else:
+        p.note("lsa_tiny_cifar beside the LSA authors' model: no --authors-lsa DIR given")
+    for name in names:  # compiled at one batch; the warm-up compiled them into the caches
+        if p.left() < need:
             p.note(f"compiled: out of time before {name}")
             break
-        row = p.item(
-            f"compiled {name}",
-            lambda name=name: _bench(run_bench([name], BenchOptions(**kw, compile=True))),
-        )
-        p.data["compiled"] += row.pop("rows", [])
-        p.save()
-        torch.cuda.empty_cache()
+        p.item(f"compiled {name}", lambda name=name: _bench_item(p, name, compiled=True))
+    if p.left() >= need:
+        p.item("LIT DTM: each deformable kernel", lambda: _dtm_kernels(p))
+    else:
+        p.note("LIT DTM kernels: out of time")
 
 
-def _bench(result: dict[str, Any]) -> dict[str, Any]:
-    keep = ("model", "input", "batch", "infer_img_s", "paper_img_s", "paper_hardware",
-            "infer_mfu", "train_img_s", "train_mfu", "infer_mem_mb", "train_mem_mb",
-            "infer_compile_s", "train_compile_s", "error")  # fmt: skip
-    rows = [{k: r.get(k) for k in keep if k in r} for r in result["rows"]]
-    return {"ok": all(r.get("error") is None for r in rows), "machine": result["machine"],
-            "matmul_peak_tflops": result["matmul_peak_tflops"], "rows": rows}  # fmt: skip
-
-
-def _timm_peers(p: Part, kw: dict[str, Any]) -> dict[str, Any]:
-    """timm's model beside lgvit's, same step code, batch and precision, same process."""
-    if importlib.util.find_spec("timm") is None:
-        return {"ok": True, "skipped": "timm is not installed"}
+def eager_compiler() -> None:
+    """``torch.compile`` with dynamo's ``eager`` backend whatever the mode (smoke: Inductor
+    takes minutes on a CPU)."""
     import torch
-    from bench_peers import PEERS, build_pair
 
+    real = torch.compile
+    torch.compile = lambda model, mode=None, **kw: real(model, backend="eager")
+
+
+def bench_options(p: Part, compiled: bool, name: str) -> Any:
+    """d's measurement: bf16, training too; eager: the batch sweep; compiled: one batch."""
     from lgvit.models import get_model_config
-    from lgvit.tools.measure import make_step
+    from lgvit.tools.bench import AUTO, BenchOptions
 
-    names = ["deit_tiny"] if p.smoke else [n for n in BENCH_MODELS if n in PEERS]
-    rows = []
-    for name in names:
-        if p.left() < 10:
-            break
-        shape = get_model_config(name).input_size
-        row: dict[str, Any] = {"model": name, "timm": PEERS[name]}
-        for who, model in build_pair(name).items():
-            model = model.to(p.device)
-            for kind in ("infer", "train"):
-                step = make_step(model, shape, kw["batch_size"], kind == "train", torch.bfloat16,
-                                 device=p.device)  # fmt: skip
-                step()
-                sec = median_seconds(step, p.device, kw["rounds"])
-                row[f"{who}_{kind}_img_s"] = round(kw["batch_size"] / sec, 1)
-        row["infer_ratio"] = round(row["lgvit_infer_img_s"] / row["timm_infer_img_s"], 3)
-        row["train_ratio"] = round(row["lgvit_train_img_s"] / row["timm_train_img_s"], 3)
-        rows.append(row)
-    return {"ok": True, "rows": rows, "note": "ratio: lgvit img/s over timm's"}
+    img = (get_model_config(name).smoke_input_size[-1] if name == SMOKE_MODEL else 32) \
+        if p.smoke else None  # fmt: skip
+    batch = (2 if p.smoke else COMPILED_BATCH) if compiled else AUTO
+    return BenchOptions(device=p.device, amp="bf16", batch_size=batch, img_size=img, train=True,
+                        compile="default" if compiled else None, rounds=1 if p.smoke else 2,
+                        memory=not p.smoke and not compiled, max_batch=64 if p.smoke else
+                        BenchOptions.max_batch)  # fmt: skip
+
+
+def timm_peer(name: str, img_size: int | None) -> tuple[Any, float]:
+    """timm's model of ``name`` (bench_peers.PEERS) as an extra bench row, with lgvit's drop
+    path (the papers' recipes: DeiT 0.1, Swin-T 0.2; timm's defaults are 0 and 0.1), and that
+    rate."""
+    import timm
+    import torch
+    from bench_peers import PEERS, drop_path_rates
+
+    from lgvit.models import create_model, get_model_config
+    from lgvit.tools.bench import ExtraModel
+
+    kw = {"img_size": img_size} if img_size else {}
+    with torch.device("meta"):
+        rate = max(drop_path_rates(create_model(name, **kw)), default=0.0)
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        return timm.create_model(PEERS[name], drop_path_rate=rate, **kw)
+
+    size = (3, img_size, img_size) if img_size else get_model_config(name).input_size
+    return ExtraModel(f"timm {PEERS[name]}", build, size), rate
+
+
+def _bench_item(p: Part, name: str, compiled: bool) -> dict[str, Any]:
+    """``run_bench`` of ``name``, with timm's twin beside it where timm has one (the same
+    process, steps, rounds, precision, optimizer and drop path): rows and lgvit/timm ratios
+    (eager: each at its best batch of the sweep; compiled: at the one batch)."""
+    from bench_peers import PEERS, drop_path_rates
+
+    from lgvit.tools.bench import run_bench
+
+    opts = bench_options(p, compiled, name)
+    out: dict[str, Any] = {}
+    extra = []
+    if name in PEERS and importlib.util.find_spec("timm"):
+        peer, rate = timm_peer(name, opts.img_size)
+        theirs = max(drop_path_rates(peer.build()), default=0.0)
+        out["drop_path"] = {"lgvit": rate, "timm": theirs}
+        extra.append(peer)
+    elif name in PEERS:
+        out["note"] = "timm is not installed: lgvit's model alone"
+    result = run_bench([name], opts, log=print, extra=extra)
+    rows = [brief_row(r) for r in result["rows"]]
+    ok = all(r.get("error") is None for r in rows)
+    if compiled:  # the old part f: the compiled model computes what eager does (bf16)
+        ok = ok and all((r.get("compile_rel_err") or 0) < BF16_LOGITS_TOL for r in rows)
+    if extra:
+        ok = ok and out["drop_path"]["lgvit"] == out["drop_path"]["timm"]
+        best = "" if compiled else "best_"
+        for kind in ("infer", "train"):
+            ours, theirs = (r.get(f"{kind}_{best}img_s") for r in rows)
+            out[f"{kind}_ratio"] = round(ours / theirs, 3) if ours and theirs else None
+    return {"ok": ok, **out, "matmul_peak_tflops": result["matmul_peak_tflops"], "rows": rows}
+
+
+BRIEF_KEYS = (
+    "model", "input", "batch", "infer_img_s", "infer_mfu", "paper_img_s", "infer_best_batch",
+    "infer_best_img_s", "infer_best_mfu", "infer_busy", "infer_sweep", "infer_sweep_stop",
+    "train_img_s", "train_mfu", "train_best_batch", "train_best_img_s", "train_best_mfu",
+    "train_busy", "train_sweep", "train_sweep_stop", "infer_mem_mb", "train_mem_mb",
+    "infer_compile_s", "train_compile_s", "compile_rel_err", "error",
+)  # fmt: skip
+
+
+def brief_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A bench row's figures the report keeps, rounded."""
+    out = {}
+    for k in BRIEF_KEYS:
+        v = row.get(k)
+        if v is not None:
+            out[k] = round(v, 4 if k.endswith(("_mfu", "_busy")) else 1) \
+                if isinstance(v, float) and k != "compile_rel_err" else v  # fmt: skip
+    return out
+
+
+def _authors(p: Part) -> dict[str, Any]:
+    """lsa_tiny_cifar beside the LSA authors' model (their ``cifar/cifar_model.py``, imported
+    from ``--authors-lsa`` at run time as benchmarks/bench_lsa.py does; nothing of theirs is
+    copied), at batch 512 in bf16, eager: the same steps and optimizer for both."""
+    from lgvit.tools.bench import BenchOptions, ExtraModel, run_bench
+
+    repo = Path(p.args.authors_lsa).resolve()
+    if not (repo / "cifar" / "cifar_model.py").is_file():
+        raise FileNotFoundError(
+            f"--authors-lsa {repo}: no cifar/cifar_model.py there (a "
+            "checkout of github.com/shellysheynin/Locally-SAG-Transformer)"
+        )
+    peer = ExtraModel("LSA authors' ShiftingTransformer", lambda: authors_model(str(repo)),
+                      (3, 32, 32))  # fmt: skip
+    opts = BenchOptions(device=p.device, amp="bf16", batch_size=2 if p.smoke else AUTHORS_BATCH,
+                        train=True, rounds=1 if p.smoke else 3, memory=not p.smoke)  # fmt: skip
+    result = run_bench(["lsa_tiny_cifar"], opts, log=print, extra=[peer])
+    rows = [brief_row(r) for r in result["rows"]]
+    out: dict[str, Any] = {"ok": all(r.get("error") is None for r in rows), "rows": rows}
+    for kind in ("infer", "train"):
+        ours, theirs = (r.get(f"{kind}_img_s") for r in rows)
+        out[f"{kind}_ratio"] = round(ours / theirs, 3) if ours and theirs else None
+    return out
+
+
+def authors_model(repo: str) -> Any:
+    """Their tiny CIFAR model as their main_tiny_cifar.py builds it (bench_lsa's builder); a
+    missing package of theirs (einops) is one line."""
+    from bench_lsa import build_authors_model
+
+    try:
+        return build_authors_model(repo)
+    except SystemExit as e:  # bench_lsa's one line for a model it cannot import
+        raise RuntimeError(str(e)) from None
 
 
 def _dtm_kernels(p: Part) -> dict[str, Any]:
@@ -538,6 +754,9 @@ def _dtm_kernels(p: Part) -> dict[str, Any]:
             rows[impl] = one_line(e)
     ok = all(isinstance(v, float) for v in rows.values())
     return {"ok": ok, "lit_ti_train_img_s": rows, "batch": batch}
+
+
+# -------------------------------------------------------------------------------- e. CIFAR
 
 
 # -------------------------------------------------------------------------------- e. CIFAR
@@ -606,51 +825,50 @@ def _plan_epochs(p: Part) -> dict[str, Any]:
     return {"step_s": round(sec, 4), "epochs": epochs}
 
 
-# ------------------------------------------------------------------------------ f. compile
+def median_seconds(fn: Callable[[], Any], device: str, reps: int) -> float:
+    import statistics
+
+    from lgvit.tools.measure import timed
+
+    return statistics.median(timed(fn, device) for _ in range(reps))
 
 
-def part_f(p: Part) -> None:
+# ---------------------------------------------------------------- w. the compile-cache warm-up
+
+
+def part_w(p: Part) -> None:
+    """d's compiled steps, compiled beside a, b and c into the compiler's on-disk caches (the
+    runner gives both processes one cache folder): d then loads most graphs instead of
+    compiling them. Within a quarter of the GPU's memory, so that a's large batches fit beside
+    it; a model that does not fit is compiled by d itself."""
     import torch
 
-    from lgvit.models import create_model, get_model_config
-    from lgvit.tools.measure import make_step
+    if p.cuda:
+        torch.cuda.set_per_process_memory_fraction(WARM_MEMORY)
+    if p.smoke:
+        eager_compiler()
+    from lgvit.tools.bench import run_bench
 
-    backend = "eager" if p.smoke else "inductor"
-    names = [SMOKE_MODEL] if p.smoke else ["lsa_tiny_cifar", "lit_ti"]
-    for name in names:
+    for name in [SMOKE_MODEL] if p.smoke else [*PAIRS, *OWN]:
+        if p.left() < 5:
+            p.note(f"out of time before {name}")
+            return
 
-        def one(name: str = name) -> dict[str, Any]:
-            size = get_model_config(name).smoke_input_size if p.smoke else None
-            shape = size or get_model_config(name).input_size
-            torch.manual_seed(0)
-            model = create_model(name, **({"img_size": size[-1]} if size else {}))
-            model = model.to(p.device).eval()
-            batch = 2 if p.smoke else 64
-            compiled = torch.compile(model, backend=backend)
-            x = torch.randn(batch, *shape, device=p.device)
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                got = compiled(x)
-            sync(p.device)
-            compile_s = time.perf_counter() - t0
-            with torch.no_grad():
-                want = model(x)
-            err = rel_err(got, want)
-            row = {"backend": backend, "compile_s": round(compile_s, 2), "fp32_rel_err": err}
-            reps = 1 if p.smoke else 10
-            for who, m in (("eager", model), ("compiled", compiled)):
-                step = make_step(m, shape, batch, False, torch.bfloat16, device=p.device)
-                step()
-                row[f"{who}_bf16_infer_img_s"] = round(batch / median_seconds(step, p.device, reps))
-            row["speedup"] = round(row["compiled_bf16_infer_img_s"] / row["eager_bf16_infer_img_s"],
-                                   3)  # fmt: skip
-            row["ok"] = err < FP32_LOGITS_TOL
-            return row
+        def warm(name: str = name) -> dict[str, Any]:
+            opts = bench_options(p, True, name)
+            opts.rounds, opts.busy = 1, False
+            extra = [timm_peer(name, opts.img_size)[0]] if name in PAIRS and \
+                importlib.util.find_spec("timm") else []  # fmt: skip
+            rows = run_bench([name], opts, log=print, extra=extra)["rows"]
+            keep = ("model", "infer_compile_s", "train_compile_s", "error")
+            return {"rows": [{k: r.get(k) for k in keep} for r in rows]}
 
-        p.item(name, one)
+        p.item(f"compiled {name}", warm)
 
 
-PART_FUNCS = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f}
+PART_FUNCS = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "w": part_w}
+TITLES = {k: t for k, t, _ in PARTS} | {"w": "the compile-cache warm-up for d"}
+BUDGETS = {k: b for k, _, b in PARTS} | {"w": WARM_S}
 
 
 # ------------------------------------------------------------------------------- the runner
@@ -669,8 +887,20 @@ def run_part(args: argparse.Namespace) -> int:
     return 0
 
 
+class Run:
+    """A part's process, started: its limit, result file and output file."""
+
+    def __init__(self, key: str, limit: float, folder: Path) -> None:
+        self.key, self.limit, self.folder = key, limit, folder
+        self.result, self.output = folder / "result.json", folder / "output.txt"
+        self.proc: subprocess.Popen | None = None
+        self.t0 = self.t1 = time.monotonic()
+        self.rc: int | str | None = None
+
+
 def check(args: argparse.Namespace) -> int:
-    """The parent: every part in its own process, the reports written after each."""
+    """The parent: the parts group by group (a group's parts side by side), the reports
+    written after each group."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -680,44 +910,103 @@ def check(args: argparse.Namespace) -> int:
     log = out / "log.txt"
     log.write_text("")
     wanted = args.parts or "".join(k for k, _, _ in PARTS)
-    for key, title, budget in PARTS:
-        if key not in wanted:
-            continue
-        left = TOTAL_S - (time.monotonic() - start)
-        limit = SMOKE_PART_S if args.smoke else min(budget, left)
-        report["parts"][key] = entry = {"title": title, "budget_s": budget}
-        if not args.smoke and limit < 5:
-            entry.update(status="skipped", reason="the whole check's time is spent")
-        else:
-            entry.update(_spawn(args, key, limit, log))
-        print(f"part {key} ({title}): {entry['status']} {entry.get('reason', '')}", flush=True)
-        report["elapsed_s"] = round(time.monotonic() - start, 1)
-        write_atomic(out / "report.json", json.dumps(report, indent=1, default=str))
-        write_atomic(out / "report.md", markdown(report))
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        env = _child_env(Path(tmp))
+        for group in GROUPS:
+            keys = [k for k in group if k in wanted]
+            if not keys:
+                continue
+            left = TOTAL_S - (time.monotonic() - start)
+            runs = []
+            for key in keys:
+                limit = SMOKE_PART_S if args.smoke else min(BUDGETS[key], left)
+                report["parts"][key] = {"title": TITLES[key], "budget_s": BUDGETS[key]}
+                if not args.smoke and limit < 5:
+                    report["parts"][key].update(
+                        status="skipped", reason="the whole check's time is spent"
+                    )
+                    continue
+                runs.append(_start(args, key, limit, Path(tmp), env))
+            if "a" in keys and "d" in wanted and runs:  # d's graphs compiled beside a, b, c
+                limit = SMOKE_PART_S if args.smoke else min(WARM_S, left)
+                runs.append(_start(args, "w", limit, Path(tmp), env))
+            _wait(runs, Path(tmp) / "warm.done")
+            for run in runs:
+                entry = {"started_s": round(run.t0 - start, 1), **_finish(run, log)}
+                if run.key == "w":
+                    report["warm"] = {"title": TITLES["w"], "budget_s": WARM_S, **entry}
+                else:
+                    report["parts"][run.key].update(entry)
+                print(f"part {run.key} ({TITLES[run.key]}): {entry['status']} "
+                      f"{entry.get('reason', '')}", flush=True)  # fmt: skip
+            report["elapsed_s"] = round(time.monotonic() - start, 1)
+            report["goals"] = goals(report)
+            write_atomic(out / "report.json", json.dumps(report, indent=1, default=str))
+            write_atomic(out / "report.md", markdown(report))
     print(f"wrote {out / 'report.json'} and {out / 'report.md'}")
     return 0
 
 
-def _spawn(args: argparse.Namespace, key: str, limit: float, log: Path) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        cmd = [sys.executable, __file__, "--_part", key, "--_result", str(result),
-               "--_budget", str(limit - 5), "--device", args.device]  # fmt: skip
-        cmd += ["--smoke"] if args.smoke else []
-        cmd += ["--cifar", args.cifar] if args.cifar else []
-        env = {**os.environ, "PYTHONPATH": _pythonpath(), "PYTHONUNBUFFERED": "1"}
-        t0 = time.monotonic()
-        rc, text = run_group(cmd, env, limit, own_group=True)
-        with open(log, "a") as f:
-            f.write(f"===== part {key} (rc {rc})\n{text}\n")
-        data = json.loads(result.read_text()) if result.exists() else {"items": [], "notes": []}
-    entry = {**data, "seconds": round(time.monotonic() - t0, 1)}
+def _child_env(tmp: Path) -> dict[str, str]:
+    """The parts' environment: lgvit from this checkout; the compiler's caches in one folder
+    of this check's own (the warm-up fills what d reads; a later check starts cold again), with
+    the same compile threads in both, since the caches' keys may hold them."""
+    return {
+        **os.environ, "PYTHONPATH": _pythonpath(), "PYTHONUNBUFFERED": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"), "TRITON_CACHE_DIR": str(tmp / "triton"),
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+        "TORCHINDUCTOR_COMPILE_THREADS": "8",
+    }  # fmt: skip
+
+
+def _start(args: argparse.Namespace, key: str, limit: float, tmp: Path, env: dict) -> Run:
+    run = Run(key, limit, tmp / f"part_{key}")
+    run.folder.mkdir()
+    cmd = [sys.executable, __file__, "--_part", key, "--_result", str(run.result),
+           "--_budget", str(limit - 5), "--device", args.device]  # fmt: skip
+    cmd += ["--smoke"] if args.smoke else []
+    cmd += ["--cifar", args.cifar] if args.cifar else []
+    cmd += ["--authors-lsa", args.authors_lsa] if args.authors_lsa else []
+    cmd += ["--_warm_done", str(tmp / "warm.done")] if key == "a" else []
+    with open(run.output, "w") as f:  # a file, not a pipe: several parts write at once
+        run.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                    start_new_session=True)  # fmt: skip
+    return run
+
+
+def _wait(runs: list[Run], warm_done: Path) -> None:
+    """Until every run has ended, each killed (its whole process group) past its limit; the
+    warm-up's end is marked in ``warm_done`` as it happens (part a waits for its memory)."""
+    pending = list(runs)
+    while pending:
+        for run in list(pending):
+            rc = run.proc.poll()
+            if rc is None and time.monotonic() - run.t0 > run.limit:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(run.proc.pid, signal.SIGKILL)
+                run.proc.wait()
+                rc = "timeout"
+            if rc is not None:
+                run.rc, run.t1 = rc, time.monotonic()
+                pending.remove(run)
+                if run.key == "w":
+                    warm_done.touch()
+        time.sleep(0.2)
+    warm_done.touch()  # no warm-up in this group: nothing to wait for
+
+
+def _finish(run: Run, log: Path) -> dict[str, Any]:
+    text = run.output.read_text(errors="replace")
+    with open(log, "a") as f:
+        f.write(f"===== part {run.key} (rc {run.rc})\n{text}\n")
+    data = json.loads(run.result.read_text()) if run.result.exists() else {"items": [], "notes": []}
+    entry = {**data, "seconds": round(run.t1 - run.t0, 1)}
     if data.get("skipped"):
         entry.update(status="skipped", reason=data.pop("skipped"))
-    elif rc == "timeout":
-        entry.update(status="timeout", reason=f"stopped at its {limit:.0f} s limit")
-    elif rc != 0:
-        last = [x for x in text.strip().splitlines() if x.strip()][-1:] or [f"exit status {rc}"]
+    elif run.rc == "timeout":
+        entry.update(status="timeout", reason=f"stopped at its {run.limit:.0f} s limit")
+    elif run.rc != 0:
+        last = [x for x in text.strip().splitlines() if x.strip()][-1:] or [f"exit status {run.rc}"]
         entry.update(status="failed", reason=last[0][:300])
     elif not all(i.get("ok") for i in data["items"]):
         entry.update(status="failed", reason="; ".join(
@@ -733,28 +1022,140 @@ def _machine(device: str) -> str:
     return describe_machine(device)
 
 
+# --------------------------------------------------------------------------------- the goals
+
+
+def goals(report: dict[str, Any]) -> list[dict[str, str]]:
+    """Each goal of the check, its measured figure and whether it holds (``yes``, ``no``, or
+    ``not measured`` where its part did not run or ran out of time before it)."""
+    parts = report["parts"]
+    items = {k: {i["item"]: i for i in e.get("items", [])} for k, e in parts.items()}
+    rows = [_goal_training(parts.get("a"), items.get("a", {})),
+            _goal_agreement(items.get("a", {}), bool(report["smoke"])),
+            _goal_device_tests(items.get("b", {}))]  # fmt: skip
+    for name in PAIRS:
+        rows.append(_goal_timm(name, items.get("d", {})))
+    rows.append(_goal_authors(items.get("d", {})))
+    late = {k: e for k, e in parts.items() if e.get("status") == "timeout"}
+    spent = [k for k, e in parts.items() if e.get("reason") == "the whole check's time is spent"]
+    figure = ", ".join(f"{k} {e.get('seconds', '-')}/{e['budget_s']} s" for k, e in parts.items())
+    rows.append(_goal("every part finishes within its budget", figure,
+                      None if not parts else not late and not spent))  # fmt: skip
+    return rows
+
+
+def _goal(goal: str, measured: str, holds: bool | None) -> dict[str, str]:
+    return {"goal": goal, "measured": measured or "-",
+            "holds": "not measured" if holds is None else "yes" if holds else "no"}  # fmt: skip
+
+
+def _goal_training(part: dict | None, items: dict[str, dict]) -> dict[str, str]:
+    goal = (f"every registered model trains at batch {GPU_BATCH} ({GPU_BATCH_32} at 32 px) "
+            "on CUDA without an error")  # fmt: skip
+    last: dict[str, dict] = {}
+    for name, item in items.items():  # a model's last try counts
+        if name.startswith("bf16 step "):
+            last[name.removeprefix("bf16 step ").removesuffix(", again")] = item
+    if not last:
+        return _goal(goal, "", None)
+    misses = [f"{m}: {i.get('error', 'failed')}" + (f", trains at {i['trains_at']}" if
+              i.get("trains_at") else "") for m, i in last.items() if not i.get("ok")]  # fmt: skip
+    total = (part or {}).get("models", len(last))
+    figure = f"{len(last) - len(misses)}/{total} models" + (f" ({'; '.join(misses)})" if misses
+                                                            else "")  # fmt: skip
+    return _goal(goal, figure, None if len(last) < total and not misses else not misses)
+
+
+def _goal_agreement(items: dict[str, dict], smoke: bool) -> dict[str, str]:
+    goal = "part a passes for every family (IEEE fp32 by the gradient rule, bf16 close)"
+    found = {k: i for k, i in items.items() if k.startswith("fp32 ")}
+    if not found:
+        return _goal(goal, "", None)
+    worst = max(found.values(), key=lambda i: i.get("fp32_grad_worst_err", math.inf))
+    figure = f"{sum(i['ok'] for i in found.values())}/{len(found)} families; worst gradient " \
+        f"{worst.get('fp32_grad_worst_err', '-'):.2g} ({worst['item'][5:]} " \
+        f"{worst.get('worst_grad', worst.get('error', ''))})"  # fmt: skip
+    complete = len(found) == (3 if smoke else len(FAMILY_MODELS))
+    ok = all(i["ok"] for i in found.values())
+    return _goal(goal, figure, None if ok and not complete else ok)
+
+
+def _goal_device_tests(items: dict[str, dict]) -> dict[str, str]:
+    runs = [i for k, i in items.items() if "pytest" in k]
+    if not runs:
+        return _goal("the device tests pass", "", None)
+    counts = Counter()
+    for i in runs:
+        counts.update({k: i[k] for k in ("passed", "failed", "skipped", "error", "errors",
+                                         "collected") if isinstance(i.get(k), int)})  # fmt: skip
+    figure = ", ".join(f"{n} {k}" for k, n in counts.items())
+    complete = len(runs) == len(TEST_SELECTIONS)
+    ok = all(i["ok"] for i in runs)
+    return _goal("the device tests pass", figure, None if ok and not complete else ok)
+
+
+def _goal_timm(name: str, items: dict[str, dict]) -> dict[str, str]:
+    goal = f"{name}: lgvit / timm at least 1.0x, inference and training, eager and compiled"
+    figures, ratios = [], []
+    for how in ("eager", "compiled"):
+        item = items.get(f"{how} {name}")
+        if item is None or "infer_ratio" not in item:
+            figures.append(f"{how}: not measured")
+            continue
+        pair = [item.get("infer_ratio"), item.get("train_ratio")]
+        ratios += pair
+        figures.append(f"{how} " + " / ".join("-" if r is None else f"{r:.2f}x" for r in pair))
+    measured = len(ratios) == 4 and None not in ratios
+    holds = all(r >= 1.0 for r in ratios) if measured else None
+    if ratios and None not in ratios and any(r < 1.0 for r in ratios):
+        holds = False
+    return _goal(goal, "; ".join(figures) + " (infer / train)", holds)
+
+
+def _goal_authors(items: dict[str, dict]) -> dict[str, str]:
+    goal = (f"lsa_tiny_cifar / the LSA authors' model at batch {AUTHORS_BATCH}: at least 3x "
+            "inference, 2x training")  # fmt: skip
+    item = next((i for k, i in items.items() if k.startswith("lsa_tiny_cifar beside")), None)
+    if item is None or item.get("infer_ratio") is None or item.get("train_ratio") is None:
+        why = item.get("error", "") if item else "no --authors-lsa DIR given, or out of time"
+        return _goal(goal, why, None)
+    r = item["infer_ratio"], item["train_ratio"]
+    return _goal(goal, f"{r[0]:.2f}x / {r[1]:.2f}x", r[0] >= 3 and r[1] >= 2)
+
+
+# -------------------------------------------------------------------------------- the report
+
+
 def markdown(report: dict[str, Any]) -> str:
-    """The report as markdown: a status line per part, then each item's figures."""
-    lines = [f"# GPU check: {report['machine']}", "", f"`{report['command']}`", "",
-             "| part | status | seconds | |", "| --- | --- | --- | --- |"]  # fmt: skip
-    for key, e in report["parts"].items():
-        lines.append(f"| {key}. {e['title']} | {e['status']} | {e.get('seconds', '')} | "
-                     f"{e.get('reason', '')} |")  # fmt: skip
-    for key, e in report["parts"].items():
+    """The report as markdown: the goals, a status line per part, then each item's figures."""
+    lines = [f"# GPU check: {report['machine']}", "", f"`{report['command']}`", ""]
+    if report["smoke"]:
+        lines += ["--smoke: tiny sizes on the CPU; the figures prove the check's code, they do "
+                  "not measure the goals.", ""]  # fmt: skip
+    lines += ["| goal | measured | holds |", "| --- | --- | --- |"]
+    for g in report.get("goals", []):
+        lines.append(f"| {g['goal']} | {g['measured'].replace('|', '/')} | {g['holds']} |")
+    lines += ["", "| part | status | started at s | seconds | budget | |",
+              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    shown = {**report["parts"], **({"w": report["warm"]} if "warm" in report else {})}
+    for key, e in shown.items():
+        cells = (f"{key}. {e['title']}", e["status"], e.get("started_s", ""),
+                 e.get("seconds", ""), e["budget_s"], e.get("reason", ""))  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    for key, e in shown.items():
         lines += ["", f"## {key}. {e['title']}", ""]
         for note in e.get("notes", []):
             lines.append(f"- {note}")
         for item in e.get("items", []):
             lines.append(f"- **{item['item']}**: {json.dumps(_brief(item), default=str)}")
-        for table in ("eager", "compiled"):
-            if e.get(table):
-                lines += ["", f"{table}:", "", *_table(e[table])]
+            if item.get("rows"):
+                lines += ["", *_table(item["rows"]), ""]
     return "\n".join(lines) + "\n"
 
 
 def _brief(item: dict[str, Any]) -> dict[str, Any]:
     return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in item.items()
-            if k not in ("item", "tail") or v}  # fmt: skip
+            if k not in ("item", "rows") and (k != "tail" or v)}  # fmt: skip
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
@@ -762,7 +1163,7 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
     out = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
     for r in rows:
         cells = [f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys]
-        out.append("| " + " | ".join(cells) + " |")
+        out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return out
 
 
@@ -770,12 +1171,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="folder for report.json, report.md and log.txt")
     ap.add_argument("--cifar", help="e: the CIFAR-10 JPEG tarball (cifar10-jpeg.tar.gz)")
+    ap.add_argument(
+        "--authors-lsa",
+        metavar="DIR",
+        help="d: a checkout of the LSA authors' "
+        "code (github.com/shellysheynin/Locally-SAG-Transformer; needs einops)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, no CIFAR")
     ap.add_argument("--device", help="default: cuda (cpu with --smoke)")
     ap.add_argument("--parts", help="a subset of the parts, e.g. 'ad' (default: all)")
     ap.add_argument("--_part", help=argparse.SUPPRESS)
     ap.add_argument("--_result", help=argparse.SUPPRESS)
     ap.add_argument("--_budget", dest="budget", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--_warm_done", dest="warm_done", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.device = args.device or ("cpu" if args.smoke else "cuda")
     args.part, args.result = args._part, args._result
@@ -783,8 +1191,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_part(args)
     if not args.out:
         ap.error("--out DIR is required")
-    if args.parts and set(args.parts) - set(PART_FUNCS):
-        ap.error(f"--parts {args.parts!r}: choose from {''.join(PART_FUNCS)}")
+    keys = "".join(k for k, _, _ in PARTS)
+    if args.parts and set(args.parts) - set(keys):
+        ap.error(f"--parts {args.parts!r}: choose from {keys}")
     if args.device.startswith("cuda"):
         import torch
 
