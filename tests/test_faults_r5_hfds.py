@@ -185,6 +185,13 @@ def test_splits_whose_class_labels_differ_are_refused(tmp_path, capsys):
         "[cat, dog, fox], validation [fox, dog, cat]"
     )
     assert not (tmp_path / "run").exists()
+    files = tmp_path / "parquet"  # the hub's form: each file's features in its metadata
+    files.mkdir()
+    for split, names in (("train", ["cat", "dog", "fox"]), ("validation", ["fox", "dog", "cat"])):
+        _named(3, names).to_parquet(str(files / f"{split}-00000-of-00001.parquet"))
+    with pytest.raises(LgvitError, match=r"differ: train \[cat, dog, fox\], validation \[fox, "
+                       r"dog, cat\]$"):  # fmt: skip
+        splits_of(files)
     many = [f"c{i:02d}" for i in range(30)]
     other = many[:17] + ["zebra"] + many[18:]
     d = _save(tmp_path / "many", _named(4, many), _named(2, other))

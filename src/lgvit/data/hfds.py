@@ -265,7 +265,9 @@ def _read_split(
     if like is not None and names and names != like.classes:
         raise LgvitError(f"hfds {data_dir}: the ClassLabel classes of splits {like.split} and "
                          f"{split} differ: {_difference(like, split, names)}")  # fmt: skip
-    classes = like.classes if like else names or _numbered(data_dir, split, values, missing)
+    classes = (
+        like.classes if like is not None else names or _numbered(data_dir, split, values, missing)
+    )
     if len(classes) > MAX_CLASSES:  # a ClassLabel's declared count (the head is sized by it)
         raise LgvitError(f"hfds {data_dir}: column {label_key!r} of split {split} declares "
                          f"{len(classes)} classes (ClassLabel), more than MAX_CLASSES "
