@@ -34,6 +34,8 @@ import os
 import random
 import re
 import tarfile
+import warnings
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -283,14 +285,18 @@ def _split_paths(data_dir: str, split: str, named: str = TRAIN_SPLIT) -> list[st
         pattern = _pattern_for(data_dir, split, named)
         paths = list(_webdataset().shardlists.expand_urls(pattern))
         missing = next((p for p in paths if not os.path.isfile(p)), None)
-        if missing is not None and pattern != data_dir:
-            # Another split's pattern rarely has the same range (ImageNet: 1024 train shards,
-            # 64 validation ones): the files that match it with any range instead.
-            found = sorted(glob.glob(re.sub(r"\{[^}]*\}", "*", glob.escape(pattern))))
-            paths, missing = (found, None) if found else (paths, missing)
-        if missing is not None:
+        if missing is None:
+            return paths
+        if pattern == data_dir:
             raise LgvitError(f"shard {missing} (of {pattern}) does not exist")
-        return paths
+        # Another split rarely numbers its shards as these (ImageNet: 1024 train shards, 64
+        # validation ones; a lone shard's path names one): its files with any numbering.
+        loose = _any_numbering(pattern)
+        found = sorted(glob.glob(loose))
+        if not found:
+            raise LgvitError(f"no {split!r} shards for {data_dir}: neither {pattern} nor any "
+                             f"{loose} exists")  # fmt: skip
+        return found
     folder = Path(data_dir)
     if not folder.is_dir():
         raise LgvitError(f"{data_dir} is neither a folder of .tar shards, a brace pattern nor "
@@ -302,20 +308,30 @@ def _split_paths(data_dir: str, split: str, named: str = TRAIN_SPLIT) -> list[st
     return paths
 
 
+def _any_numbering(pattern: str) -> str:
+    """A glob of ``pattern``'s file name with its brace ranges and numbers (whole tokens)
+    free: ``ds-validation-0001.tar`` -> ``ds-validation-*.tar``."""
+    head, sep, tail = pattern.rpartition("/")
+    tail = re.sub(r"\{[^}]*\}", "*", glob.escape(tail))
+    tail = re.sub(r"(?<![^-_.])[0-9]+(?![^-_.])", "*", tail)
+    return glob.escape(head) + sep + tail
+
+
 def _val_name(data_dir: str, info: dict | None, given: str | None) -> str:
     """The evaluation split: ``given``, else "validation", or "val" where the shards are
-    called that."""
+    called that (a pattern's or a shard's own split, else its sibling shards')."""
     if given:
         return given
-    for name in VAL_SPLITS:
-        if info is not None and name in info["splits"]:
-            return name
-        if info is None and "{" not in data_dir:
-            if any(name in _tokens(p.stem) for p in Path(data_dir).glob("*.tar")):
-                return name
-        if info is None and "{" in data_dir and name in _tokens(data_dir):
-            return name
-    return VAL_SPLITS[0]
+    if info is not None:
+        return next((n for n in VAL_SPLITS if n in info["splits"]), VAL_SPLITS[0])
+    folder = Path(data_dir)
+    if not folder.is_dir():
+        named = next((n for n in VAL_SPLITS if n in _tokens(data_dir)), None)
+        if named is not None:
+            return named
+        folder = folder.parent
+    stems = [_tokens(p.stem) for p in folder.glob("*.tar")]
+    return next((n for n in VAL_SPLITS if any(n in t for t in stems)), VAL_SPLITS[0])
 
 
 # ---------------------------------------------------------------------------- counting
@@ -727,9 +743,13 @@ class ShardLoader(RecipeLoader):
         shuffle: int = SHUFFLE,
         **kwargs: Any,
     ) -> None:
-        if kwargs.get("repeated_aug", 1) > 1:
-            raise LgvitError("repeated_aug (DeiT's RASampler) is not supported with --data "
-                             "wds: set repeated_aug=1")  # fmt: skip
+        repeats = kwargs.pop("repeated_aug", 1)
+        if repeats > 1 and kwargs.get("train") and kwargs.get("rank", 0) == 0:
+            # Shards are read as a stream, each sample once an epoch (docs/training.md): a
+            # config's DeiT recipe (imagenet_lit_ti) still runs, said once.
+            warnings.warn(f"repeated_aug={repeats} (DeiT's RASampler) does not apply to --data "
+                          "wds: ignored, each sample is read once an epoch",
+                          stacklevel=2)  # fmt: skip
         self.crop = aug if aug is not None else AugmentConfig()
         after_crop = dataclasses.replace(self.crop, train_crop="none")
         self.recipe = BatchRecipe(len(split), None, batch_size, aug=after_crop, **kwargs)
