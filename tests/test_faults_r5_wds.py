@@ -205,6 +205,21 @@ def test_duplicate_class_names_are_refused(tmp_path, capsys, key):
 # ------------------------------------------------------------------- item 14: the messages
 
 
+def test_a_resume_after_the_shards_lost_a_class_gives_shard_advice(tmp_path, capsys):
+    root = tmp_path / "d"
+    root.mkdir()
+    write_shard(root / "toy-train-00.tar", labelled("train", [0, 1, 2, 0, 1, 2, 0, 1]))
+    write_split(root, "validation", [3])
+    args = train(root, tmp_path)
+    args[args.index("--iters") : args.index("--iters") + 2] = ["--epochs", "1"]
+    assert main(args) == 0
+    write_shard(root / "toy-train-00.tar", labelled("train", [0, 1, 0, 0, 1, 1, 0, 1]))
+    capsys.readouterr()
+    code = main(["train", "--out", str(tmp_path / "run"), "--resume", "auto", "--epochs", "2"])
+    line = one_line(capsys, code, "3 classes then, 2 now", "largest label", "--initial-checkpoint")
+    assert "folders" not in line
+
+
 def test_a_truncated_shard_names_its_samples_once(tmp_path):
     root = tmp_path / "d"
     root.mkdir()
@@ -228,3 +243,37 @@ def test_a_truncated_shard_names_its_samples_once(tmp_path):
             cursor.read(str(cut), j, 24, {"cls"})
         lines.add(str(e.value))
     assert len(lines) == 1 and "truncated shard: the file breaks off after" in lines.pop()
+
+
+def test_repeated_aug_is_ignored_for_shards_with_a_warning(tmp_path, capsys):
+    root = shard_folder(tmp_path / "d", [8, 8], [3])
+    assert main(train(root, tmp_path, "--set", "repeated_aug=3")) == 0
+    err = capsys.readouterr().err
+    assert "warning: repeated_aug" in err and "does not apply to --data wds" in err
+    assert err.count("repeated_aug") == 1
+
+
+def test_a_lone_shard_path_finds_its_validation_siblings(tmp_path, capsys):
+    root = tmp_path / "d"
+    root.mkdir()
+    for i, n in enumerate((8, 8)):
+        write_shard(root / f"ds-train-{i:04d}.tar", labelled("train", [j % 3 for j in range(n)]))
+    write_shard(root / "ds-validation-0000.tar", labelled("validation", [0, 1, 2]))
+    assert main(train(root / "ds-train-0001.tar", tmp_path)) == 0
+    assert "8 train / 3 test images" in capsys.readouterr().out
+    (root / "ds-validation-0000.tar").unlink()
+    code = main(train(root / "ds-train-0001.tar", tmp_path, "--out", str(tmp_path / "r2")))
+    one_line(capsys, code, "ds-validation-0001.tar", "ds-validation-*.tar")
+
+
+def test_eval_without_declared_classes_accepts_a_wider_head(tmp_path, capsys, ckpt):
+    root = tmp_path / "d"
+    root.mkdir()
+    write_shard(root / "toy-validation-00.tar", labelled("validation", [0, 1, 1, 0]))
+    assert main(evaluate(ckpt, root, tmp_path, "--json")) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["count"] == 4 and res["classes"] == ["0", "1", "2"]
+    # A label beyond the head is still refused.
+    write_shard(root / "toy-validation-00.tar", labelled("validation", [0, 1, 3, 0]))
+    code = main(evaluate(ckpt, root, tmp_path))
+    one_line(capsys, code, "3-class head", "4 classes")

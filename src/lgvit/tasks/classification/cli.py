@@ -87,6 +87,10 @@ def run_eval(args: argparse.Namespace) -> int:
                             cache_dir=args.cache_dir, class_map=args.class_map,
                             input_key=args.input_key, target_key=args.target_key,
                             split=args.split)  # fmt: skip
+    if getattr(split, "classes_inferred", False) and len(split.classes) < model.num_classes:
+        # 0..K-1 from the largest label the split holds (shards without an _info.json) only
+        # bound the classes from below: a class no sample of it has is no mismatch.
+        split.classes = [str(i) for i in range(model.num_classes)]
     _check_eval_classes(args, model, split.classes)
     names: list[str] = []  # only ReaL and the predictions file need them (shards: a scan)
     if (real or args.predictions) and isinstance(split, ImageSet):  # decoded: by position
