@@ -168,3 +168,54 @@ def test_an_accumulation_window_longer_than_the_epoch_is_refused(tmp_path, capsy
                    "global batch of 12800", "use at most --grad-accum-steps 4"):  # fmt: skip
         assert needle in lines[0], lines[0]
     assert not out.exists()  # nothing written
+
+
+# --------------------------------------------- 4: a resume after the data changed size
+
+
+def test_a_finished_budget_resumed_after_the_data_shrank_stays_finished(tmp_path, capsys):
+    """18 images in batches of 6, a budget of 3 steps: one epoch. With 12 images an epoch
+    has 2 steps, and the resume added a second epoch of 0 steps (train loss 0.0000, 0 img/s)
+    to metrics.jsonl, saying nothing of the change."""
+    data, run = tmp_path / "data", tmp_path / "run"
+    _tree(data, per_class=6)
+    _train(*_folder_run(data, run, "--iters", "3"))
+    rows = (run / "metrics.jsonl").read_bytes()
+    assert len(rows.splitlines()) == 1
+    for c in ("ant", "bee", "cat"):
+        for i in (4, 5):
+            (data / "train" / c / f"{i}.png").unlink()
+    capsys.readouterr()
+    _train("--out", str(run), "--resume", "auto")
+    out = capsys.readouterr().out
+    assert (run / "metrics.jsonl").read_bytes() == rows  # nothing appended
+    note = (
+        f"{run / 'last'}: the training split has 12 images, not 18 as when it was saved "
+        "(2 steps an epoch, not 3); the run's budget of 3 steps is spent: it is finished"
+    )
+    assert note in out and note in (run / "train.log").read_text()
+    assert f"{run}: the run is finished (epoch 1 of 1); nothing to do" in out
+    assert "0 img/s" not in out
+
+
+def test_a_budget_resumed_after_the_data_grew_trains_its_steps_left(tmp_path, capsys):
+    """12 images, 2 steps an epoch, a budget of 6 cut after the first epoch; with 36 images
+    (6 steps an epoch) the budget's epochs were counted from 0 (one), and the resume found the
+    run finished with 4 steps left."""
+    data, run = tmp_path / "data", tmp_path / "run"
+    _tree(data, per_class=4)
+    _train(*_folder_run(data, run, "--iters", "6", "--set", "time_limit_min=1e-9"))
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
+    for c in ("ant", "bee", "cat"):
+        _images(data / "train" / c, [f"{i}.png" for i in range(4, 12)], seed=2)
+    capsys.readouterr()
+    _train("--out", str(run), "--resume", "auto", "--set", "time_limit_min=null")
+    out = capsys.readouterr().out
+    assert (
+        "the training split has 36 images, not 12 as when it was saved (6 steps an epoch, "
+        "not 2); the budget of 6 steps continues at step 2: 4 more, in 1 epoch(s)"
+    ) in out
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [0, 1] and rows[1]["train_loss"] > 0
+    state = torch.load(run / "last.state.pt", weights_only=True)["train_state"]
+    assert state["global_step"] == 6

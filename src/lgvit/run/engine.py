@@ -48,7 +48,7 @@ from lgvit.data.protocol import Loader, TrainLoader, check_loaders
 from lgvit.inference import initial_weights_file
 from lgvit.models.download import random_state_kept
 from lgvit.run.config import TrainConfig, config_to_dict, save_config, scaled_lr
-from lgvit.run.kept import keep_epoch
+from lgvit.run.kept import keep_epoch, kept_score
 from lgvit.run.loggers import RunLoggers, check_loggers, epoch_scalars
 from lgvit.run.nonfinite import NonFiniteGuard
 from lgvit.run.nonfinite import NonFiniteLoss as NonFiniteLoss  # where callers import it
@@ -56,22 +56,20 @@ from lgvit.run.optim import (
     ModelEma,
     build_optimizer,
     lr_at,
-    run_epochs,
     steps_per_epoch,
     total_steps,
     warmup_steps,
     warn_long_warmup,
 )
 from lgvit.run.preempt import RunControl
-from lgvit.run.rundir import (
-    Resumed,
-    RunLock,
-    RunLog,
-    global_batch_text,
-    remove_stale_temps,
-    rescale_resume,
+from lgvit.run.rundir import Resumed, RunLock, RunLog, global_batch_text, remove_stale_temps
+from lgvit.run.startup import (
+    EPOCH_STEPS,
+    TRAIN_IMAGES,
+    check_accum_window,
+    resume_notes,
+    resumed_config,
 )
-from lgvit.run.startup import check_accum_window, resumed_config
 
 # --------------------------------------------------------------------------------- the task
 
@@ -87,6 +85,7 @@ class Prepared:
     metadata: dict[str, str]
     description: str
     notes: list[str] = field(default_factory=list)  # extra log lines (e.g. skipped images)
+    train_images: int | None = None  # the training split's size (a resume compares it)
 
 
 class Task(Protocol):
@@ -309,6 +308,7 @@ class Run:
     history: list[dict[str, Any]] = field(default_factory=list)
     best: float | None = None
     last_metrics: dict[str, Any] = field(default_factory=dict)
+    origin: tuple[int, int] = (0, 0)  # (epoch, its first step) the budget's epochs count from
 
     @property
     def model(self) -> nn.Module:
@@ -320,7 +320,12 @@ class Run:
 
     @property
     def epochs(self) -> int:
-        return run_epochs(self.cfg, self.steps_per_epoch)
+        """``epochs``, or the epochs an iteration budget takes (counted from where a resume
+        starts: its data may have another size than the checkpoint's)."""
+        if not self.cfg.iters:
+            return self.cfg.epochs
+        epoch, step = self.origin
+        return epoch + -(-max(self.cfg.iters - step, 0) // self.steps_per_epoch)
 
     def save(
         self, epoch: int, step: int, is_best: bool, mid: EpochProgress | None = None,
@@ -362,7 +367,8 @@ class Run:
         state = build_train_state(
             optimizer=o.optimizer, scaler=o.scaler, ema=o.ema, epoch=epoch, global_step=step,
             best_metric=self.best, config=config_to_dict(self.cfg), rng=True,
-            extra={"rng_per_rank": rngs, **extra},
+            extra={"rng_per_rank": rngs, EPOCH_STEPS: self.steps_per_epoch,
+                   TRAIN_IMAGES: self.prepared.train_images, **extra},
         )  # fmt: skip
         meta = self.prepared.metadata
         weights = state_dict_to_cpu(self.model.state_dict())
@@ -443,6 +449,7 @@ def _restore(run: Run, state: dict[str, Any], stem: Path) -> _Position:
     if o.ema is not None and state.get("ema"):
         o.ema.shadow = {k: v.to(d.device) for k, v in state["ema"].items()}
     pos = _Position(state["epoch"] + 1, state["global_step"])
+    run.origin = (pos.epoch, pos.step)
     run.best = state["best_metric"]
     extra = state.get("extra", {})
     rngs = extra.get("rng_per_rank") or []
@@ -454,6 +461,7 @@ def _restore(run: Run, state: dict[str, Any], stem: Path) -> _Position:
     if mid is not None:  # saved inside an epoch: continue that epoch at the next batch
         pos.epoch = state["epoch"]
         pos.in_epoch = EpochProgress(mid["batch"], mid["loss_sum"], mid["images"])
+        run.origin = (pos.epoch, pos.step - -(-mid["batch"] // run.cfg.grad_accum_steps))
         augs = mid.get("aug_rng_per_rank") or []
         run.prepared.train_loader.set_epoch(
             pos.epoch, mid["batch"], augs[d.rank] if len(augs) == d.world_size else None
@@ -495,19 +503,19 @@ def _start(
     check_loaders(prepared.train_loader, prepared.test_loader)  # before hours of training
     check_accum_window(cfg, len(prepared.train_loader), d.world_size, explicit)
     model, spe = prepared.model, steps_per_epoch(cfg, len(prepared.train_loader))
-    start_note = None  # a resume rescaled, or the fine-tuning start: logged after the reset
+    notes: list[str | None] = []  # a resume rescaled, or the fine-tuning start: logged later
     if stem is not None:  # refused before anything is written, then noted once it starts
         # read before the lock was taken: used only when it is of the checkpoint resumed
         known = resumed.record if resumed is not None and resumed.stem == stem else None
         check_same_classes(stem, prepared.metadata, known)
-        start_note = rescale_resume(state, cfg, spe, d.world_size)
+        notes = resume_notes(state, cfg, prepared.train_images, spe, d.world_size, stem)
     if weights is not None:
         model.load_state_dict(weights)
     elif cfg.initial_checkpoint:  # a task may read other layouts (a backbone's weights)
         load = getattr(task, "load_initial", None) or load_initial_weights
         with random_state_kept():  # a download's check builds a model: none of the run's draws
             path = initial_weights_file(cfg.initial_checkpoint, cfg.model)
-        start_note = load(model, path)
+        notes = [load(model, path)]
     model.to(d.device)
     if cfg.channels_last:  # the convolutions' weights in NHWC (the task converts its batches)
         model.to(memory_format=torch.channels_last)
@@ -521,7 +529,7 @@ def _start(
         f"{prepared.description}; {d.world_size} process(es) on {d.device.type}, "
         f"global batch {global_batch_text(cfg, d.world_size)}; amp {amp or 'none'}"
     )
-    for note in [*prepared.notes, *([start_note] if start_note else [])]:
+    for note in [*prepared.notes, *(n for n in notes if n)]:
         log(note)
     opt = _optimisation(cfg, task, prepared, d, amp)
     if stem is None:
@@ -621,12 +629,13 @@ def _record(run: Run, metrics: dict[str, Any], step: int) -> None:
     with open(run.out / "metrics.jsonl", "a") as f:
         f.write(json.dumps(metrics) + "\n")
     run.loggers.scalars(step, epoch_scalars(metrics))
-    score = metrics.get(f"test_{run.task.best_metric}")
+    ranked_by, score = kept_score(metrics, run.task.best_metric)  # the EMA's, when evaluated
     if run.cfg.keep_best and score is not None:
         ema = state_dict_to_cpu(run.opt.ema.shadow) if run.opt.ema is not None else None
         weights = state_dict_to_cpu(run.model.state_dict())
         meta = run.prepared.metadata
-        keep_epoch(run.out, run.cfg.keep_best, metrics["epoch"], score, weights, ema, meta)
+        keep_epoch(run.out, run.cfg.keep_best, metrics["epoch"], score, weights, ema, meta,
+                   ranked_by)  # fmt: skip
 
 
 def _evaluate_pending(run: Run, pos: _Position) -> None:
@@ -649,12 +658,15 @@ def _run(
     try:
         if pos.pending is not None:
             _evaluate_pending(run, pos)
-        t_start = time.time()
+        t_start, budget = time.time(), run.opt.schedule["total_steps"]
         if pos.epoch >= run.epochs:  # resuming a finished run: say so
             run.log(f"{out}: the run is finished (epoch {pos.epoch} of {run.epochs}); "
                     "nothing to do")  # fmt: skip
+        elif pos.step >= budget:
+            run.log(f"{out}: the run is finished (its {budget} steps are done, at epoch "
+                    f"{pos.epoch} of {run.epochs}); nothing to do")  # fmt: skip
         for epoch in range(pos.epoch, run.epochs):
-            if _epoch(run, epoch, pos, t_start):
+            if pos.step >= budget or _epoch(run, epoch, pos, t_start):  # never a 0-step epoch
                 break
     finally:
         run.loggers.close()

@@ -192,7 +192,8 @@ class ClassificationTask:
                 f"{splits.skipped[:3]}"
             )
         meta = checkpoint_metadata(cfg, self.img_size, splits)
-        return Prepared(model, train_loader, test_loader, meta, description, notes)
+        return Prepared(model, train_loader, test_loader, meta, description, notes,
+                        train_images=len(splits.train))  # fmt: skip
 
     def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
         return param_groups(model, cfg.weight_decay, cfg.offset_lr_factor, cfg.layer_decay)
