@@ -54,7 +54,21 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_peers, bench_lsa, beside this
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_bench, gpu_report, bench_peers
+
+from gpu_bench import (  # noqa: E402 -- beside this file
+    AUTHORS_BATCH,
+    BF16_LOGITS_TOL,
+    OWN,
+    PAIRS,
+    SMOKE_MODEL,
+    authors_item,
+    bench_item,
+    bench_options,
+    eager_compiler,
+    timm_peer,
+)  # fmt: skip
+from gpu_report import GPU_BATCH, GPU_BATCH_32, goals, markdown  # noqa: E402
 
 # (key, title, seconds on one H100): a group's parts run at the same time, a group as long as
 # its longest part; the groups' budgets and the runner's start-up fit 8 minutes.
@@ -77,14 +91,6 @@ FAMILY_MODELS = (
     "t2t_vit_7", "tnt_tiny",
 )  # fmt: skip
 AGREE_BATCH = 4
-GPU_BATCH, GPU_BATCH_32 = 256, 1024  # a's training step; at 32 px
-BF16_LOGITS_TOL = 5e-2  # bf16 against the CPU's fp32; and compiled bf16 against eager bf16
-# d: beside timm's model (bench_peers.PEERS), then lgvit's own; compiled at one batch.
-PAIRS = ("deit_tiny", "deit_small", "swin_tiny")
-OWN = ("lit_s", "lsa_small_224")
-COMPILED_BATCH = 128  # d's compiled steps (the warm-up compiles them): 224 px, in memory beside a
-AUTHORS_BATCH = 512
-SMOKE_MODEL = "lsa_micro_cifar"  # the smallest model: smoke runs
 CIFAR_MINUTES = 2.5  # e: the training budget
 
 
@@ -180,7 +186,9 @@ def part_a(p: Part) -> None:
 
     if not p.smoke:
         torch.set_num_threads(4)  # the CPU's references, beside b, c and the warm-up
-    for name in FAMILY_MODELS[:3] if p.smoke else FAMILY_MODELS:  # smoke: LSA, LocalViT, LIT
+    families = FAMILY_MODELS[:3] if p.smoke else FAMILY_MODELS  # smoke: LSA, LocalViT, LIT
+    p.data["families"] = len(families)
+    for name in families:
         if p.left() < 3:
             p.note(f"out of time before {name}")
             return
@@ -336,8 +344,16 @@ def largest_batch(
         except Exception as e:
             if not oom(e):
                 raise
+        # Out of the handler: the failed step's frames (and tensors) are released now.
+        free("cuda" if _cuda_ready() else "cpu")
         batch //= 2
     return None
+
+
+def _cuda_ready() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 # ------------------------------------------------------------------------- b. the device tests
@@ -369,6 +385,7 @@ def part_b(p: Part) -> None:
     if not p.smoke:
         env["LGVIT_TEST_DEVICE"] = "cuda"
     workers = XDIST_WORKERS if importlib.util.find_spec("xdist") and not p.smoke else 0
+    p.data["selections"] = len(TEST_SELECTIONS)
     if not workers and not p.smoke:
         p.note("pytest-xdist is not installed: the tests run one after another")
     for i, (marker, words) in enumerate(TEST_SELECTIONS):
@@ -574,156 +591,22 @@ def part_d(p: Part) -> None:
         if p.left() < need:
             p.note(f"eager: out of time before {name}")
             break
-        p.item(f"eager {name}", lambda name=name: _bench_item(p, name, compiled=False))
+        p.item(f"eager {name}", lambda name=name: bench_item(p.device, p.smoke, name, False))
     if p.args.authors_lsa:
         if p.left() >= need:
             p.item(f"lsa_tiny_cifar beside the LSA authors' model, batch {AUTHORS_BATCH}",
-                   lambda: _authors(p))  # fmt: skip
+                   lambda: authors_item(p.device, p.smoke, p.args.authors_lsa))  # fmt: skip
     else:
         p.note("lsa_tiny_cifar beside the LSA authors' model: no --authors-lsa DIR given")
     for name in names:  # compiled at one batch; the warm-up compiled them into the caches
         if p.left() < need:
             p.note(f"compiled: out of time before {name}")
             break
-        p.item(f"compiled {name}", lambda name=name: _bench_item(p, name, compiled=True))
+        p.item(f"compiled {name}", lambda name=name: bench_item(p.device, p.smoke, name, True))
     if p.left() >= need:
         p.item("LIT DTM: each deformable kernel", lambda: _dtm_kernels(p))
     else:
         p.note("LIT DTM kernels: out of time")
-
-
-def eager_compiler() -> None:
-    """``torch.compile`` with dynamo's ``eager`` backend whatever the mode (smoke: Inductor
-    takes minutes on a CPU)."""
-    import torch
-
-    real = torch.compile
-    torch.compile = lambda model, mode=None, **kw: real(model, backend="eager")
-
-
-def bench_options(p: Part, compiled: bool, name: str) -> Any:
-    """d's measurement: bf16, training too; eager: the batch sweep; compiled: one batch."""
-    from lgvit.models import get_model_config
-    from lgvit.tools.bench import AUTO, BenchOptions
-
-    img = (get_model_config(name).smoke_input_size[-1] if name == SMOKE_MODEL else 32) \
-        if p.smoke else None  # fmt: skip
-    batch = (2 if p.smoke else COMPILED_BATCH) if compiled else AUTO
-    return BenchOptions(device=p.device, amp="bf16", batch_size=batch, img_size=img, train=True,
-                        compile="default" if compiled else None, rounds=1 if p.smoke else 2,
-                        memory=not p.smoke and not compiled, max_batch=64 if p.smoke else
-                        BenchOptions.max_batch)  # fmt: skip
-
-
-def timm_peer(name: str, img_size: int | None) -> tuple[Any, float]:
-    """timm's model of ``name`` (bench_peers.PEERS) as an extra bench row, with lgvit's drop
-    path (the papers' recipes: DeiT 0.1, Swin-T 0.2; timm's defaults are 0 and 0.1), and that
-    rate."""
-    import timm
-    import torch
-    from bench_peers import PEERS, drop_path_rates
-
-    from lgvit.models import create_model, get_model_config
-    from lgvit.tools.bench import ExtraModel
-
-    kw = {"img_size": img_size} if img_size else {}
-    with torch.device("meta"):
-        rate = max(drop_path_rates(create_model(name, **kw)), default=0.0)
-
-    def build() -> Any:
-        torch.manual_seed(0)
-        return timm.create_model(PEERS[name], drop_path_rate=rate, **kw)
-
-    size = (3, img_size, img_size) if img_size else get_model_config(name).input_size
-    return ExtraModel(f"timm {PEERS[name]}", build, size), rate
-
-
-def _bench_item(p: Part, name: str, compiled: bool) -> dict[str, Any]:
-    """``run_bench`` of ``name``, with timm's twin beside it where timm has one (the same
-    process, steps, rounds, precision, optimizer and drop path): rows and lgvit/timm ratios
-    (eager: each at its best batch of the sweep; compiled: at the one batch)."""
-    from bench_peers import PEERS, drop_path_rates
-
-    from lgvit.tools.bench import run_bench
-
-    opts = bench_options(p, compiled, name)
-    out: dict[str, Any] = {}
-    extra = []
-    if name in PEERS and importlib.util.find_spec("timm"):
-        peer, rate = timm_peer(name, opts.img_size)
-        theirs = max(drop_path_rates(peer.build()), default=0.0)
-        out["drop_path"] = {"lgvit": rate, "timm": theirs}
-        extra.append(peer)
-    elif name in PEERS:
-        out["note"] = "timm is not installed: lgvit's model alone"
-    result = run_bench([name], opts, log=print, extra=extra)
-    rows = [brief_row(r) for r in result["rows"]]
-    ok = all(r.get("error") is None for r in rows)
-    if compiled:  # the old part f: the compiled model computes what eager does (bf16)
-        ok = ok and all((r.get("compile_rel_err") or 0) < BF16_LOGITS_TOL for r in rows)
-    if extra:
-        ok = ok and out["drop_path"]["lgvit"] == out["drop_path"]["timm"]
-        best = "" if compiled else "best_"
-        for kind in ("infer", "train"):
-            ours, theirs = (r.get(f"{kind}_{best}img_s") for r in rows)
-            out[f"{kind}_ratio"] = round(ours / theirs, 3) if ours and theirs else None
-    return {"ok": ok, **out, "matmul_peak_tflops": result["matmul_peak_tflops"], "rows": rows}
-
-
-BRIEF_KEYS = (
-    "model", "input", "batch", "infer_img_s", "infer_mfu", "paper_img_s", "infer_best_batch",
-    "infer_best_img_s", "infer_best_mfu", "infer_busy", "infer_sweep", "infer_sweep_stop",
-    "train_img_s", "train_mfu", "train_best_batch", "train_best_img_s", "train_best_mfu",
-    "train_busy", "train_sweep", "train_sweep_stop", "infer_mem_mb", "train_mem_mb",
-    "infer_compile_s", "train_compile_s", "compile_rel_err", "error",
-)  # fmt: skip
-
-
-def brief_row(row: dict[str, Any]) -> dict[str, Any]:
-    """A bench row's figures the report keeps, rounded."""
-    out = {}
-    for k in BRIEF_KEYS:
-        v = row.get(k)
-        if v is not None:
-            out[k] = round(v, 4 if k.endswith(("_mfu", "_busy")) else 1) \
-                if isinstance(v, float) and k != "compile_rel_err" else v  # fmt: skip
-    return out
-
-
-def _authors(p: Part) -> dict[str, Any]:
-    """lsa_tiny_cifar beside the LSA authors' model (their ``cifar/cifar_model.py``, imported
-    from ``--authors-lsa`` at run time as benchmarks/bench_lsa.py does; nothing of theirs is
-    copied), at batch 512 in bf16, eager: the same steps and optimizer for both."""
-    from lgvit.tools.bench import BenchOptions, ExtraModel, run_bench
-
-    repo = Path(p.args.authors_lsa).resolve()
-    if not (repo / "cifar" / "cifar_model.py").is_file():
-        raise FileNotFoundError(
-            f"--authors-lsa {repo}: no cifar/cifar_model.py there (a "
-            "checkout of github.com/shellysheynin/Locally-SAG-Transformer)"
-        )
-    peer = ExtraModel("LSA authors' ShiftingTransformer", lambda: authors_model(str(repo)),
-                      (3, 32, 32))  # fmt: skip
-    opts = BenchOptions(device=p.device, amp="bf16", batch_size=2 if p.smoke else AUTHORS_BATCH,
-                        train=True, rounds=1 if p.smoke else 3, memory=not p.smoke)  # fmt: skip
-    result = run_bench(["lsa_tiny_cifar"], opts, log=print, extra=[peer])
-    rows = [brief_row(r) for r in result["rows"]]
-    out: dict[str, Any] = {"ok": all(r.get("error") is None for r in rows), "rows": rows}
-    for kind in ("infer", "train"):
-        ours, theirs = (r.get(f"{kind}_img_s") for r in rows)
-        out[f"{kind}_ratio"] = round(ours / theirs, 3) if ours and theirs else None
-    return out
-
-
-def authors_model(repo: str) -> Any:
-    """Their tiny CIFAR model as their main_tiny_cifar.py builds it (bench_lsa's builder); a
-    missing package of theirs (einops) is one line."""
-    from bench_lsa import build_authors_model
-
-    try:
-        return build_authors_model(repo)
-    except SystemExit as e:  # bench_lsa's one line for a model it cannot import
-        raise RuntimeError(str(e)) from None
 
 
 def _dtm_kernels(p: Part) -> dict[str, Any]:
@@ -754,9 +637,6 @@ def _dtm_kernels(p: Part) -> dict[str, Any]:
             rows[impl] = one_line(e)
     ok = all(isinstance(v, float) for v in rows.values())
     return {"ok": ok, "lit_ti_train_img_s": rows, "batch": batch}
-
-
-# -------------------------------------------------------------------------------- e. CIFAR
 
 
 # -------------------------------------------------------------------------------- e. CIFAR
@@ -855,7 +735,7 @@ def part_w(p: Part) -> None:
             return
 
         def warm(name: str = name) -> dict[str, Any]:
-            opts = bench_options(p, True, name)
+            opts = bench_options(p.device, p.smoke, True, name)
             opts.rounds, opts.busy = 1, False
             extra = [timm_peer(name, opts.img_size)[0]] if name in PAIRS and \
                 importlib.util.find_spec("timm") else []  # fmt: skip
@@ -917,6 +797,8 @@ def check(args: argparse.Namespace) -> int:
             if not keys:
                 continue
             left = TOTAL_S - (time.monotonic() - start)
+            warm = "a" in keys and "d" in wanted  # d's graphs compiled beside a, b and c
+            done = Path(tmp) / "warm.done" if warm else None  # part a waits for it to retry
             runs = []
             for key in keys:
                 limit = SMOKE_PART_S if args.smoke else min(BUDGETS[key], left)
@@ -926,10 +808,10 @@ def check(args: argparse.Namespace) -> int:
                         status="skipped", reason="the whole check's time is spent"
                     )
                     continue
-                runs.append(_start(args, key, limit, Path(tmp), env))
-            if "a" in keys and "d" in wanted and runs:  # d's graphs compiled beside a, b, c
+                runs.append(_start(args, key, limit, Path(tmp), env, done))
+            if warm and runs:
                 limit = SMOKE_PART_S if args.smoke else min(WARM_S, left)
-                runs.append(_start(args, "w", limit, Path(tmp), env))
+                runs.append(_start(args, "w", limit, Path(tmp), env, None))
             _wait(runs, Path(tmp) / "warm.done")
             for run in runs:
                 entry = {"started_s": round(run.t0 - start, 1), **_finish(run, log)}
@@ -959,7 +841,9 @@ def _child_env(tmp: Path) -> dict[str, str]:
     }  # fmt: skip
 
 
-def _start(args: argparse.Namespace, key: str, limit: float, tmp: Path, env: dict) -> Run:
+def _start(
+    args: argparse.Namespace, key: str, limit: float, tmp: Path, env: dict, done: Path | None
+) -> Run:
     run = Run(key, limit, tmp / f"part_{key}")
     run.folder.mkdir()
     cmd = [sys.executable, __file__, "--_part", key, "--_result", str(run.result),
@@ -967,7 +851,7 @@ def _start(args: argparse.Namespace, key: str, limit: float, tmp: Path, env: dic
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--cifar", args.cifar] if args.cifar else []
     cmd += ["--authors-lsa", args.authors_lsa] if args.authors_lsa else []
-    cmd += ["--_warm_done", str(tmp / "warm.done")] if key == "a" else []
+    cmd += ["--_warm_done", str(done)] if key == "a" and done else []
     with open(run.output, "w") as f:  # a file, not a pipe: several parts write at once
         run.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                     start_new_session=True)  # fmt: skip
@@ -992,7 +876,6 @@ def _wait(runs: list[Run], warm_done: Path) -> None:
                 if run.key == "w":
                     warm_done.touch()
         time.sleep(0.2)
-    warm_done.touch()  # no warm-up in this group: nothing to wait for
 
 
 def _finish(run: Run, log: Path) -> dict[str, Any]:
@@ -1020,151 +903,6 @@ def _machine(device: str) -> str:
     from lgvit.tools.measure import describe_machine
 
     return describe_machine(device)
-
-
-# --------------------------------------------------------------------------------- the goals
-
-
-def goals(report: dict[str, Any]) -> list[dict[str, str]]:
-    """Each goal of the check, its measured figure and whether it holds (``yes``, ``no``, or
-    ``not measured`` where its part did not run or ran out of time before it)."""
-    parts = report["parts"]
-    items = {k: {i["item"]: i for i in e.get("items", [])} for k, e in parts.items()}
-    rows = [_goal_training(parts.get("a"), items.get("a", {})),
-            _goal_agreement(items.get("a", {}), bool(report["smoke"])),
-            _goal_device_tests(items.get("b", {}))]  # fmt: skip
-    for name in PAIRS:
-        rows.append(_goal_timm(name, items.get("d", {})))
-    rows.append(_goal_authors(items.get("d", {})))
-    late = {k: e for k, e in parts.items() if e.get("status") == "timeout"}
-    spent = [k for k, e in parts.items() if e.get("reason") == "the whole check's time is spent"]
-    figure = ", ".join(f"{k} {e.get('seconds', '-')}/{e['budget_s']} s" for k, e in parts.items())
-    rows.append(_goal("every part finishes within its budget", figure,
-                      None if not parts else not late and not spent))  # fmt: skip
-    return rows
-
-
-def _goal(goal: str, measured: str, holds: bool | None) -> dict[str, str]:
-    return {"goal": goal, "measured": measured or "-",
-            "holds": "not measured" if holds is None else "yes" if holds else "no"}  # fmt: skip
-
-
-def _goal_training(part: dict | None, items: dict[str, dict]) -> dict[str, str]:
-    goal = (f"every registered model trains at batch {GPU_BATCH} ({GPU_BATCH_32} at 32 px) "
-            "on CUDA without an error")  # fmt: skip
-    last: dict[str, dict] = {}
-    for name, item in items.items():  # a model's last try counts
-        if name.startswith("bf16 step "):
-            last[name.removeprefix("bf16 step ").removesuffix(", again")] = item
-    if not last:
-        return _goal(goal, "", None)
-    misses = [f"{m}: {i.get('error', 'failed')}" + (f", trains at {i['trains_at']}" if
-              i.get("trains_at") else "") for m, i in last.items() if not i.get("ok")]  # fmt: skip
-    total = (part or {}).get("models", len(last))
-    figure = f"{len(last) - len(misses)}/{total} models" + (f" ({'; '.join(misses)})" if misses
-                                                            else "")  # fmt: skip
-    return _goal(goal, figure, None if len(last) < total and not misses else not misses)
-
-
-def _goal_agreement(items: dict[str, dict], smoke: bool) -> dict[str, str]:
-    goal = "part a passes for every family (IEEE fp32 by the gradient rule, bf16 close)"
-    found = {k: i for k, i in items.items() if k.startswith("fp32 ")}
-    if not found:
-        return _goal(goal, "", None)
-    worst = max(found.values(), key=lambda i: i.get("fp32_grad_worst_err", math.inf))
-    figure = f"{sum(i['ok'] for i in found.values())}/{len(found)} families; worst gradient " \
-        f"{worst.get('fp32_grad_worst_err', '-'):.2g} ({worst['item'][5:]} " \
-        f"{worst.get('worst_grad', worst.get('error', ''))})"  # fmt: skip
-    complete = len(found) == (3 if smoke else len(FAMILY_MODELS))
-    ok = all(i["ok"] for i in found.values())
-    return _goal(goal, figure, None if ok and not complete else ok)
-
-
-def _goal_device_tests(items: dict[str, dict]) -> dict[str, str]:
-    runs = [i for k, i in items.items() if "pytest" in k]
-    if not runs:
-        return _goal("the device tests pass", "", None)
-    counts = Counter()
-    for i in runs:
-        counts.update({k: i[k] for k in ("passed", "failed", "skipped", "error", "errors",
-                                         "collected") if isinstance(i.get(k), int)})  # fmt: skip
-    figure = ", ".join(f"{n} {k}" for k, n in counts.items())
-    complete = len(runs) == len(TEST_SELECTIONS)
-    ok = all(i["ok"] for i in runs)
-    return _goal("the device tests pass", figure, None if ok and not complete else ok)
-
-
-def _goal_timm(name: str, items: dict[str, dict]) -> dict[str, str]:
-    goal = f"{name}: lgvit / timm at least 1.0x, inference and training, eager and compiled"
-    figures, ratios = [], []
-    for how in ("eager", "compiled"):
-        item = items.get(f"{how} {name}")
-        if item is None or "infer_ratio" not in item:
-            figures.append(f"{how}: not measured")
-            continue
-        pair = [item.get("infer_ratio"), item.get("train_ratio")]
-        ratios += pair
-        figures.append(f"{how} " + " / ".join("-" if r is None else f"{r:.2f}x" for r in pair))
-    measured = len(ratios) == 4 and None not in ratios
-    holds = all(r >= 1.0 for r in ratios) if measured else None
-    if ratios and None not in ratios and any(r < 1.0 for r in ratios):
-        holds = False
-    return _goal(goal, "; ".join(figures) + " (infer / train)", holds)
-
-
-def _goal_authors(items: dict[str, dict]) -> dict[str, str]:
-    goal = (f"lsa_tiny_cifar / the LSA authors' model at batch {AUTHORS_BATCH}: at least 3x "
-            "inference, 2x training")  # fmt: skip
-    item = next((i for k, i in items.items() if k.startswith("lsa_tiny_cifar beside")), None)
-    if item is None or item.get("infer_ratio") is None or item.get("train_ratio") is None:
-        why = item.get("error", "") if item else "no --authors-lsa DIR given, or out of time"
-        return _goal(goal, why, None)
-    r = item["infer_ratio"], item["train_ratio"]
-    return _goal(goal, f"{r[0]:.2f}x / {r[1]:.2f}x", r[0] >= 3 and r[1] >= 2)
-
-
-# -------------------------------------------------------------------------------- the report
-
-
-def markdown(report: dict[str, Any]) -> str:
-    """The report as markdown: the goals, a status line per part, then each item's figures."""
-    lines = [f"# GPU check: {report['machine']}", "", f"`{report['command']}`", ""]
-    if report["smoke"]:
-        lines += ["--smoke: tiny sizes on the CPU; the figures prove the check's code, they do "
-                  "not measure the goals.", ""]  # fmt: skip
-    lines += ["| goal | measured | holds |", "| --- | --- | --- |"]
-    for g in report.get("goals", []):
-        lines.append(f"| {g['goal']} | {g['measured'].replace('|', '/')} | {g['holds']} |")
-    lines += ["", "| part | status | started at s | seconds | budget | |",
-              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    shown = {**report["parts"], **({"w": report["warm"]} if "warm" in report else {})}
-    for key, e in shown.items():
-        cells = (f"{key}. {e['title']}", e["status"], e.get("started_s", ""),
-                 e.get("seconds", ""), e["budget_s"], e.get("reason", ""))  # fmt: skip
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    for key, e in shown.items():
-        lines += ["", f"## {key}. {e['title']}", ""]
-        for note in e.get("notes", []):
-            lines.append(f"- {note}")
-        for item in e.get("items", []):
-            lines.append(f"- **{item['item']}**: {json.dumps(_brief(item), default=str)}")
-            if item.get("rows"):
-                lines += ["", *_table(item["rows"]), ""]
-    return "\n".join(lines) + "\n"
-
-
-def _brief(item: dict[str, Any]) -> dict[str, Any]:
-    return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in item.items()
-            if k not in ("item", "rows") and (k != "tail" or v)}  # fmt: skip
-
-
-def _table(rows: list[dict[str, Any]]) -> list[str]:
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    out = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-    for r in rows:
-        cells = [f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys]
-        out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

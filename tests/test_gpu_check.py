@@ -233,7 +233,7 @@ def test_the_lsa_authors_model_is_read_from_their_checkout(tmp_path, monkeypatch
     monkeypatch.setattr(sys, "path", list(sys.path))  # bench_lsa puts DIR first: undone after
     try:
         gc, part = _smoke_part(tmp_path, authors_lsa=str(repo))
-        row = part.item("authors", lambda: gc._authors(part))
+        row = part.item("authors", lambda: gc.authors_item("cpu", True, part.args.authors_lsa))
         assert row["ok"], row.get("error")
         ours, theirs = row["rows"]
         assert ours["model"] == "lsa_tiny_cifar"
@@ -244,7 +244,7 @@ def test_the_lsa_authors_model_is_read_from_their_checkout(tmp_path, monkeypatch
         sys.modules.pop("cifar.cifar_model", None)
         sys.modules.pop("cifar", None)
     gc, part = _smoke_part(tmp_path, authors_lsa=str(tmp_path / "nothing"))
-    row = part.item("authors", lambda: gc._authors(part))
+    row = part.item("authors", lambda: gc.authors_item("cpu", True, part.args.authors_lsa))
     assert row["ok"] is False and "no cifar/cifar_model.py there" in row["error"]
 
 

@@ -44,7 +44,7 @@ from lgvit.core.runtime import (
     seed_everything,
     set_numerics,
 )
-from lgvit.data.protocol import Loader, TrainLoader, check_loaders
+from lgvit.data.protocol import Loader, TrainLoader, check_loaders, skipped_in_pass, skipped_text
 from lgvit.inference import initial_weights_file
 from lgvit.models.download import random_state_kept
 from lgvit.run.config import TrainConfig, config_to_dict, save_config, scaled_lr
@@ -560,7 +560,12 @@ def _evaluate(run: Run, metrics: dict[str, Any]) -> tuple[bool, str]:
     """Test the model (and its EMA); the metrics under ``test_*``; (best so far, log text)."""
     task, d, amp, loader = run.task, run.d, run.amp, run.prepared.test_loader
     ev = task.evaluate(run.net, loader, d, amp, "eval")
+    skipped = skipped_in_pass(loader, d)
     text = f"test {task.summary(ev)}"
+    if skipped is not None:  # a streamed split: what was scored, and what was left out
+        metrics["test_skipped"] = skipped[0]
+        scored = f" of {ev['count']} images" if skipped[0] and "count" in ev else ""
+        text += scored + skipped_text(skipped)
     if run.opt.ema is not None:
         ema_model = copy.deepcopy(run.model)
         ema_model.load_state_dict(run.opt.ema.shadow)
@@ -585,6 +590,7 @@ def _epoch(run: Run, epoch: int, pos: _Position, t_start: float) -> bool:
     done_before = pos.in_epoch.images if pos.in_epoch else 0
     train_loss, seen, pos.step = train_one_epoch(run, epoch, pos.step, pos.in_epoch)
     pos.in_epoch = None
+    skipped = skipped_in_pass(run.prepared.train_loader, run.d)
     train_time = time.time() - t0
     last = epoch + 1 == run.epochs
     metrics: dict[str, Any] = {
@@ -593,6 +599,7 @@ def _epoch(run: Run, epoch: int, pos: _Position, t_start: float) -> bool:
         "lr": run.opt.optimizer.param_groups[0]["lr"],
         "img_per_s": round((seen - done_before * run.d.world_size) / train_time, 2),
         **run.task.epoch_info(epoch),
+        **({"train_skipped": skipped[0]} if skipped is not None else {}),
     }
     evaluated = last or (epoch + 1) % cfg.eval_every == 0
     saving = last or ctl.signum or (epoch + 1) % cfg.save_every == 0
@@ -609,7 +616,8 @@ def _epoch(run: Run, epoch: int, pos: _Position, t_start: float) -> bool:
     at_size = f" at {metrics['train_size']}px" if "train_size" in metrics else ""
     tested = f", {tested}" if tested else ""
     run.log(
-        f"epoch {epoch + 1}/{run.epochs}{at_size}: train loss {train_loss:.4f}{tested}, "
+        f"epoch {epoch + 1}/{run.epochs}{at_size}: train loss {train_loss:.4f}"
+        f"{skipped_text(skipped, ' sample(s)')}{tested}, "
         f"{metrics['img_per_s']:.0f} img/s, {metrics['epoch_time_s']:.1f}s{eta}"
     )
     run.last_metrics = metrics

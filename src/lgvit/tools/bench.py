@@ -86,6 +86,7 @@ class BenchOptions:
     warmup: int = 1
     memory: bool = True
     busy: bool = True  # the profiler pass
+    max_batch: int = AUTO_MAX_BATCH  # --batch-size auto: the sweep's last batch at most
 
 
 @dataclass
@@ -391,6 +392,7 @@ def _build_and_warm_up(
     for kind in kinds:
         if opts.batch_size == AUTO:
             sweep = sweep_batch(lambda b, kind=kind: make(kind, b), device, timing,
+                                limit=opts.max_batch,
                                 cleanup=lambda: model.zero_grad(set_to_none=True))  # fmt: skip
             kept, first = sweep.kept, sweep.first_s
             row.update({f"{kind}_best_batch": sweep.best, f"{kind}_sweep": sweep.img_s,
@@ -438,17 +440,19 @@ def sweep_batch(
     kept: dict[int, tuple[Callable[[], None], int]] = {}
     batch, first_s = start, 0.0
     while True:
+        step = None
         try:
             step = make(batch)
             first, calls = warm_up(step, device, timing)
             img_s[batch] = batch / timed(step, device, calls)
         except Exception as e:
-            step = None
+            if not is_out_of_memory(e) or batch == start:
+                raise
+        if batch not in img_s:  # out of memory; out of the handler, its frames are gone
+            del step
             if cleanup:
                 cleanup()
             _free(device)
-            if not is_out_of_memory(e) or batch == start:
-                raise
             stop = f"out of memory at batch {batch}"
             break
         first_s = first if batch == start else first_s

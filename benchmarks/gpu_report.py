@@ -1,0 +1,155 @@
+"""The report of benchmarks/gpu_check.py: the goals (each with its measured figure and whether
+it holds), then the parts, as markdown. Pure functions of the report's JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from typing import Any
+
+from gpu_bench import AUTHORS_BATCH, PAIRS
+
+GPU_BATCH, GPU_BATCH_32 = 256, 1024  # the batch every model should train at on one GPU; 32 px
+
+
+def goals(report: dict[str, Any]) -> list[dict[str, str]]:
+    """Each goal of the check, its measured figure and whether it holds (``yes``, ``no``, or
+    ``not measured`` where its part did not run or ran out of time before it)."""
+    parts = report["parts"]
+    items = {k: {i["item"]: i for i in e.get("items", [])} for k, e in parts.items()}
+    rows = [_goal_training(parts.get("a"), items.get("a", {})),
+            _goal_agreement(parts.get("a"), items.get("a", {})),
+            _goal_device_tests(parts.get("b"), items.get("b", {}))]  # fmt: skip
+    for name in PAIRS:
+        rows.append(_goal_timm(name, items.get("d", {})))
+    rows.append(_goal_authors(items.get("d", {})))
+    late = {k: e for k, e in parts.items() if e.get("status") == "timeout"}
+    spent = [k for k, e in parts.items() if e.get("reason") == "the whole check's time is spent"]
+    figure = ", ".join(f"{k} {e.get('seconds', '-')}/{e['budget_s']} s" for k, e in parts.items())
+    rows.append(_goal("every part finishes within its budget", figure,
+                      None if not parts else not late and not spent))  # fmt: skip
+    return rows
+
+
+def _goal(goal: str, measured: str, holds: bool | None) -> dict[str, str]:
+    return {"goal": goal, "measured": measured or "-",
+            "holds": "not measured" if holds is None else "yes" if holds else "no"}  # fmt: skip
+
+
+def _goal_training(part: dict | None, items: dict[str, dict]) -> dict[str, str]:
+    goal = (f"every registered model trains at batch {GPU_BATCH} ({GPU_BATCH_32} at 32 px) "
+            "on CUDA without an error")  # fmt: skip
+    last: dict[str, dict] = {}
+    for name, item in items.items():  # a model's last try counts
+        if name.startswith("bf16 step "):
+            last[name.removeprefix("bf16 step ").removesuffix(", again")] = item
+    if not last:
+        return _goal(goal, "", None)
+    misses = [f"{m}: {i.get('error', 'failed')}" + (f", trains at {i['trains_at']}" if
+              i.get("trains_at") else "") for m, i in last.items() if not i.get("ok")]  # fmt: skip
+    total = (part or {}).get("models", len(last))
+    figure = f"{len(last) - len(misses)}/{total} models" + (f" ({'; '.join(misses)})" if misses
+                                                            else "")  # fmt: skip
+    return _goal(goal, figure, None if len(last) < total and not misses else not misses)
+
+
+def _goal_agreement(part: dict | None, items: dict[str, dict]) -> dict[str, str]:
+    goal = "part a passes for every family (IEEE fp32 by the gradient rule, bf16 close)"
+    found = {k: i for k, i in items.items() if k.startswith("fp32 ")}
+    if not found:
+        return _goal(goal, "", None)
+    worst = max(found.values(), key=lambda i: i.get("fp32_grad_worst_err", math.inf))
+    figure = f"{sum(i['ok'] for i in found.values())}/{len(found)} families; worst gradient " \
+        f"{worst.get('fp32_grad_worst_err', '-'):.2g} ({worst['item'][5:]} " \
+        f"{worst.get('worst_grad', worst.get('error', ''))})"  # fmt: skip
+    complete = len(found) == (part or {}).get("families", len(found))
+    ok = all(i["ok"] for i in found.values())
+    return _goal(goal, figure, None if ok and not complete else ok)
+
+
+def _goal_device_tests(part: dict | None, items: dict[str, dict]) -> dict[str, str]:
+    runs = [i for k, i in items.items() if "pytest" in k]
+    if not runs:
+        return _goal("the device tests pass", "", None)
+    counts = Counter()
+    for i in runs:
+        counts.update({k: i[k] for k in ("passed", "failed", "skipped", "error", "errors",
+                                         "collected") if isinstance(i.get(k), int)})  # fmt: skip
+    figure = ", ".join(f"{n} {k}" for k, n in counts.items())
+    complete = len(runs) == (part or {}).get("selections", len(runs))
+    ok = all(i["ok"] for i in runs)
+    return _goal("the device tests pass", figure, None if ok and not complete else ok)
+
+
+def _goal_timm(name: str, items: dict[str, dict]) -> dict[str, str]:
+    goal = f"{name}: lgvit / timm at least 1.0x, inference and training, eager and compiled"
+    figures, ratios = [], []
+    for how in ("eager", "compiled"):
+        item = items.get(f"{how} {name}")
+        if item is None or "infer_ratio" not in item:
+            figures.append(f"{how}: not measured")
+            continue
+        pair = [item.get("infer_ratio"), item.get("train_ratio")]
+        ratios += pair
+        figures.append(f"{how} " + " / ".join("-" if r is None else f"{r:.2f}x" for r in pair))
+    measured = len(ratios) == 4 and None not in ratios
+    holds = all(r >= 1.0 for r in ratios) if measured else None
+    if ratios and None not in ratios and any(r < 1.0 for r in ratios):
+        holds = False
+    return _goal(goal, "; ".join(figures) + " (infer / train)", holds)
+
+
+def _goal_authors(items: dict[str, dict]) -> dict[str, str]:
+    goal = (f"lsa_tiny_cifar / the LSA authors' model at batch {AUTHORS_BATCH}: at least 3x "
+            "inference, 2x training")  # fmt: skip
+    item = next((i for k, i in items.items() if k.startswith("lsa_tiny_cifar beside")), None)
+    if item is None or item.get("infer_ratio") is None or item.get("train_ratio") is None:
+        why = item.get("error", "") if item else "no --authors-lsa DIR given, or out of time"
+        return _goal(goal, why, None)
+    r = item["infer_ratio"], item["train_ratio"]
+    return _goal(goal, f"{r[0]:.2f}x / {r[1]:.2f}x", r[0] >= 3 and r[1] >= 2)
+
+
+# -------------------------------------------------------------------------------- the report
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as markdown: the goals, a status line per part, then each item's figures."""
+    lines = [f"# GPU check: {report['machine']}", "", f"`{report['command']}`", ""]
+    if report["smoke"]:
+        lines += ["--smoke: tiny sizes on the CPU; the figures prove the check's code, they do "
+                  "not measure the goals.", ""]  # fmt: skip
+    lines += ["| goal | measured | holds |", "| --- | --- | --- |"]
+    for g in report.get("goals", []):
+        lines.append(f"| {g['goal']} | {g['measured'].replace('|', '/')} | {g['holds']} |")
+    lines += ["", "| part | status | started at s | seconds | budget | |",
+              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    shown = {**report["parts"], **({"w": report["warm"]} if "warm" in report else {})}
+    for key, e in shown.items():
+        cells = (f"{key}. {e['title']}", e["status"], e.get("started_s", ""),
+                 e.get("seconds", ""), e["budget_s"], e.get("reason", ""))  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    for key, e in shown.items():
+        lines += ["", f"## {key}. {e['title']}", ""]
+        for note in e.get("notes", []):
+            lines.append(f"- {note}")
+        for item in e.get("items", []):
+            lines.append(f"- **{item['item']}**: {json.dumps(_brief(item), default=str)}")
+            if item.get("rows"):
+                lines += ["", *_table(item["rows"]), ""]
+    return "\n".join(lines) + "\n"
+
+
+def _brief(item: dict[str, Any]) -> dict[str, Any]:
+    return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in item.items()
+            if k not in ("item", "rows") and (k != "tail" or v)}  # fmt: skip
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    out = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+    for r in rows:
+        cells = [f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys]
+        out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return out
