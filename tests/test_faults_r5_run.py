@@ -340,3 +340,25 @@ def test_a_copied_checkpoint_resumed_into_a_run_is_refused_in_true_words(run, tm
                      f"--initial-checkpoint {copies / 'last'}", f"--out {run}")  # fmt: skip
     assert "another run" not in line and f"--out {copies}" not in line
     assert _files(mine) == before
+
+
+# ------------------------------------------------------ 14: keep_best with an EMA ranks by it
+
+
+def test_keep_best_with_an_ema_ranks_by_the_emas_top1(tmp_path):
+    """keep_best ranked by the plain model's top-1 while ``lgvit average`` averages the kept
+    EMA weights: as timm, the EMA's top-1 ranks when the run evaluates an EMA, and the index
+    says which metric ranked."""
+    out = tmp_path / "ema"
+    _train([*SYN, "--epochs", "3", "--model-ema", "--model-ema-decay", "0.5",
+            "--set", "keep_best=2", "--out", str(out)])  # fmt: skip
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    index = json.loads((out / KEPT_DIR / KEPT_INDEX).read_text())
+    want = sorted(rows, key=lambda r: -r["test_ema_acc1"])[:2]
+    assert [r["epoch"] for r in index] == [r["epoch"] for r in want]
+    assert [r["metric"] for r in index] == [r["test_ema_acc1"] for r in want]
+    assert {r["ranked_by"] for r in index} == {"test_ema_acc1"}
+    # without an EMA: the model's own top-1
+    plain = tmp_path / "plain"
+    _train([*SYN, "--epochs", "2", "--set", "keep_best=1", "--out", str(plain)])
+    assert json.loads((plain / KEPT_DIR / KEPT_INDEX).read_text())[0]["ranked_by"] == "test_acc1"

@@ -111,10 +111,10 @@ def test_keep_best_keeps_the_best_epochs_for_averaging(tmp_path, capsys):
     run = tmp_path / "kb"
     _train(run, "--epochs", "4", "--set", "keep_best=2", "--model-ema", "--set", "lr=2e-3")
     rows = metrics(run)
-    best = sorted(rows, key=lambda r: -r["test_acc1"])[:2]
+    best = sorted(rows, key=lambda r: -r["test_ema_acc1"])[:2]  # with an EMA, ranked by it
     kept = kept_checkpoints(run)
     assert [r["epoch"] for r in kept] == [r["epoch"] for r in best]
-    assert [r["metric"] for r in kept] == [r["test_acc1"] for r in best]
+    assert [r["metric"] for r in kept] == [r["test_ema_acc1"] for r in best]
     assert all(r["weights"].is_file() and r["ema"].is_file() for r in kept)
     assert len(list((run / "kept").glob("*.safetensors"))) == 4  # nothing else left
     avg = tmp_path / "avg.safetensors"

@@ -4,9 +4,12 @@ timm's ``--checkpoint-hist`` keeps the best few epochs so that ``avg_checkpoints
 them (a few tenths of a point for nothing). Here the kept epochs live in ``<out>/kept/``: each
 one's weights (``epoch-0012.safetensors``, with the run's metadata, so each loads in ``lgvit
 eval`` by itself) and, with an EMA, its EMA weights (``epoch-0012_ema.safetensors``), listed
-best first in ``kept.json``. A new epoch's files are on disk before the index names them, and
-the ones that fell out are removed only after the new index is in place: a kill at any moment
-leaves an index whose files all exist (at worst a file no index names, removed next time).
+best first in ``kept.json``: ranked by the EMA's top-1 when the run evaluates an EMA (timm's
+choice: those are the weights ``lgvit average`` takes by default), else the model's, each row
+naming the metric that ranked it (``ranked_by``). A new epoch's files are on disk before the
+index names them, and the ones that fell out are removed only after the new index is in place:
+a kill at any moment leaves an index whose files all exist (at worst a file no index names,
+removed next time).
 ``lgvit average RUN --best N`` reads the index.
 """
 
@@ -59,6 +62,16 @@ def kept_checkpoints(out: str | Path) -> list[dict[str, Any]]:
     return kept
 
 
+def kept_score(metrics: Mapping[str, Any], best_metric: str) -> tuple[str, float | None]:
+    """(the metrics key that ranks an epoch, its score; None: not evaluated). The EMA's
+    ``best_metric`` when the run evaluates an EMA, as timm ranks its checkpoint history: those
+    are the weights ``lgvit average`` averages by default. Else the model's own."""
+    for key in (f"test_ema_{best_metric}", f"test_{best_metric}"):
+        if metrics.get(key) is not None:
+            return key, float(metrics[key])
+    return f"test_{best_metric}", None
+
+
 def keep_epoch(
     out: Path,
     n: int,
@@ -67,16 +80,19 @@ def keep_epoch(
     weights: Mapping[str, Tensor],
     ema: Mapping[str, Tensor] | None,
     metadata: Mapping[str, str],
+    ranked_by: str | None = None,
 ) -> list[int]:
-    """Add ``epoch`` (scored ``metric``, higher is better) to the ``n`` best kept when it is
-    among them; returns the kept epochs, best first."""
+    """Add ``epoch`` (scored ``metric``, higher is better; ``ranked_by``: the metric's key, as
+    :func:`kept_score` names it, recorded in the index) to the ``n`` best kept when it is among
+    them; returns the kept epochs, best first."""
     folder = out / KEPT_DIR
     try:
         rows = json.loads((folder / KEPT_INDEX).read_text())
     except (OSError, ValueError):  # none yet (a damaged index restarts the history)
         rows = []
     rows = [r for r in rows if r.get("epoch") != epoch]  # an epoch evaluated again on resume
-    ranked = sorted([*rows, {"epoch": epoch, "metric": metric}], key=lambda r: -r["metric"])
+    row = {"epoch": epoch, "metric": metric, **({"ranked_by": ranked_by} if ranked_by else {})}
+    ranked = sorted([*rows, row], key=lambda r: -r["metric"])
     keep = ranked[:n]
     if all(r["epoch"] != epoch for r in keep):
         return [r["epoch"] for r in keep]
