@@ -268,6 +268,7 @@ def test_the_compile_mode_reaches_torch_compile(flag, mode, monkeypatch, capsys)
 
     def spy(model, **kw):  # noqa: ANN001, ANN202
         modes.append(kw.get("mode"))
+        assert kw.get("dynamic") is False  # a graph per batch, as a run at a fixed batch has
         return real(model, backend="eager")  # inductor takes minutes on a CPU
 
     monkeypatch.setattr(torch, "compile", spy)

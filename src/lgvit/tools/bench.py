@@ -380,7 +380,9 @@ def _build_and_warm_up(
     if not registered:  # on the device: foreign code need not build on meta
         row["params_m"] = count_params(model) / 1e6
         row["macs_g"] = count_macs(model, spec.input_size) / 1e9
-    run = torch.compile(model, mode=mode) if mode else model
+    # Static shapes: each batch of a sweep gets its own graph, as a run at a fixed batch has
+    # (dynamo would otherwise turn the batch symbolic at the second one).
+    run = torch.compile(model, mode=mode, dynamic=False) if mode else model
 
     def make(kind: str, batch: int) -> Callable[[], None]:
         return make_step(run, spec.input_size, batch, kind == "train", amp, device=device,
