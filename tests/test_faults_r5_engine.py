@@ -219,3 +219,87 @@ def test_a_budget_resumed_after_the_data_grew_trains_its_steps_left(tmp_path, ca
     assert [r["epoch"] for r in rows] == [0, 1] and rows[1]["train_loss"] > 0
     state = torch.load(run / "last.state.pt", weights_only=True)["train_state"]
     assert state["global_step"] == 6
+
+
+# ------------------------------------------- 12: samples the streamed sources leave out
+
+
+def _wds_data(root) -> tuple[list[str], str]:
+    """36 training samples in two shards, one undecodable; 12 validation samples, 4 of them
+    labelled 5, outside the 3 classes of ``_info.json``."""
+    from test_wds import toy_samples, write_shard
+
+    root.mkdir()
+    train = toy_samples("train", 0, 36, 0)
+    train[2][1]["jpg"] = b"not an image"
+    write_shard(root / "toy-train-00.tar", train[:18])
+    write_shard(root / "toy-train-01.tar", train[18:])
+    val = toy_samples("validation", 0, 12, 100)
+    for _, members in val[::3]:
+        members["cls"] = b"5"
+    val_name = "toy-validation-00.tar"
+    write_shard(root / val_name, val)
+    splits = {"train": ["toy-train-00.tar", "toy-train-01.tar"], "validation": [val_name]}
+    (root / "_info.json").write_text(json.dumps({"classes": ["cat", "dog", "emu"], "splits": {
+        k: {"filenames": v} for k, v in splits.items()}}))  # fmt: skip
+    return ["--data", "wds", "--batch-size", "12"], f"{root / 'toy-train-00.tar'} sample train0002"
+
+
+def _hfds_data(root, monkeypatch) -> tuple[list[str], str]:
+    """12 training rows, row 3's image undecodable; 6 validation rows."""
+    datasets = pytest.importorskip("datasets")
+    from test_hfds import toy
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(root.parent / "hf-cache"))
+    rows = toy(12).to_dict()
+    rows["image"][3] = {"bytes": b"not an image", "path": None}
+    train = datasets.Dataset.from_dict(rows, features=toy(1).features)
+    datasets.DatasetDict(train=train, validation=toy(6)).save_to_disk(str(root))
+    return ["--data", "hfds", "--batch-size", "4"], "train[3]"
+
+
+def _folder_data(root) -> tuple[list[str], str]:
+    """An image folder read from its files (``stream: true``): 12 training images, one empty."""
+    _tree(root, per_class=4)
+    (root / "train" / "bee" / "1.png").write_bytes(b"")
+    return ["--data", "imagefolder", "--batch-size", "4", "--set", "stream=true"], str(
+        root / "train" / "bee" / "1.png"
+    )
+
+
+@pytest.mark.parametrize("source", ["imagefolder", "wds", "hfds"])
+def test_a_streamed_sample_left_out_is_reported_each_epoch(source, tmp_path, capsys, monkeypatch):
+    """The streaming loaders left unreadable samples out below max_bad_fraction with no trace
+    in stdout, train.log or metrics.jsonl."""
+    pytest.importorskip({"wds": "webdataset", "hfds": "datasets"}.get(source, "PIL"))
+    data, run = tmp_path / "data", tmp_path / "run"
+    if source == "wds":
+        args, bad = _wds_data(data)
+    elif source == "hfds":
+        args, bad = _hfds_data(data, monkeypatch)
+    else:
+        args, bad = _folder_data(data)
+    _train("--model", "lsa_micro_cifar", "--img-size", "16", "--data-dir", str(data), *args,
+           "--epochs", "2", "--amp", "none", "--out", str(run), "--set", "log_every=1000",
+           "--set", f"cache_dir={tmp_path / 'cache'}", "--set", "workers=0")  # fmt: skip
+    out = capsys.readouterr().out
+    log = (run / "train.log").read_text()
+    lines = [line for line in out.splitlines() if "] epoch " in line]
+    assert len(lines) == 2, out
+    skipped = f"train loss {{}} (skipped 1 unreadable or unlabelled sample(s), e.g. {bad}"
+    for line in lines:  # each epoch reads the sample again, and says so again
+        loss = line.split("train loss ")[1].split()[0]
+        assert skipped.format(loss) in line and line in log, line
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train_skipped"] for r in rows] == [1, 1]
+    assert rows[-1]["test_skipped"] == (4 if source == "wds" else 0)
+    if source == "wds":  # the evaluation's line says how many were scored
+        scored = "% of 8 images (skipped 4 unreadable or unlabelled, e.g. "
+        assert all(scored in line and "label 5 is outside [0, 3))" in line for line in lines)
+        code, out, err = _cli(capsys, "eval", "--checkpoint", str(run / "last.safetensors"),
+                              "--data", "wds", "--data-dir", str(data), "--cache-dir",
+                              str(tmp_path / "cache"), "-j", "0")  # fmt: skip
+        assert code == 0, err
+        assert f"{run / 'last.safetensors'} on wds (8 test images)" in out, out
+        left = "4 of 12 images left out (unreadable or unlabelled), e.g. "
+        assert left in out and "validation0100: label 5 is outside [0, 3)" in out, out

@@ -4,6 +4,11 @@ The engine (:mod:`lgvit.run.engine`) counts a loader's batches for the epoch's l
 schedule, iterates it, tells it the epoch (and, resuming mid-epoch, the batch to continue at
 with the augmentation stream's saved state), and saves that state in mid-epoch checkpoints.
 An evaluation loader is only counted and iterated, by the task's own ``evaluate``.
+
+A loader that reads its samples while it iterates (files, shards, a dataset's rows) may find
+some unreadable or unlabelled: it leaves them out of their batch and counts them per pass,
+``bad`` (how many) and ``first_bad`` (the first one's name), which :func:`skipped_in_pass`
+reads, so that the run reports them for each epoch and each evaluation, whatever the source.
 """
 
 from __future__ import annotations
@@ -11,7 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Loader", "TrainLoader", "check_loaders"]
+import torch
+
+from lgvit.core.runtime import Dist, all_reduce_sum
+
+__all__ = ["Loader", "TrainLoader", "check_loaders", "skipped_in_pass", "skipped_text"]
 
 
 @runtime_checkable
@@ -51,3 +60,23 @@ def check_loaders(train: object, test: object) -> None:
             f"the task's {what} loader ({type(loader).__name__}) is not a {contract.__name__}: "
             f"it has no {', '.join(missing)} (lgvit.data.protocol)"
         )
+
+
+def skipped_in_pass(loader: object, d: Dist | None = None) -> tuple[int, str | None] | None:
+    """(samples ``loader``'s last pass left out, the first one's name) -- summed over the ranks
+    of ``d`` (a collective: every rank calls it), the name this rank's; None for a loader that
+    reads nothing it could find bad (decoded in memory)."""
+    bad = getattr(loader, "bad", None)
+    if not isinstance(bad, int) or isinstance(bad, bool):
+        return None
+    if d is not None and d.world_size > 1:
+        bad = int(all_reduce_sum(torch.tensor([float(bad)], device=d.device), d).item())
+    return bad, getattr(loader, "first_bad", None)
+
+
+def skipped_text(skipped: tuple[int, str | None] | None, what: str = "") -> str:
+    """`` (skipped 2 unreadable or unlabelled<what>, e.g. NAME)``, or nothing when none was."""
+    if not skipped or not skipped[0]:
+        return ""
+    example = f", e.g. {skipped[1]}" if skipped[1] else ""
+    return f" (skipped {skipped[0]} unreadable or unlabelled{what}{example})"

@@ -108,10 +108,10 @@ class StreamingLoader(RecipeLoader):
     """A :class:`SampleSet` (image files, a Hugging Face dataset's rows) decoded and cropped
     by ``workers`` DataLoader processes, then the rest of :class:`BatchLoader`'s recipe
     (:class:`BatchRecipe`: its sharding, seeding, batches and augmentation stream) on the main
-    process. Unreadable samples are left out of their batch and counted (``seen``, ``bad``,
-    ``first_bad``: its name); more than ``max_bad_fraction`` of the images read so far (of at
-    least 100) is one line. The engine's loader contract
-    (:class:`lgvit.data.protocol.TrainLoader`)."""
+    process. Unreadable samples are left out of their batch and counted per pass (``seen``,
+    ``bad``, ``first_bad``: its name; what the run reports each epoch); more than
+    ``max_bad_fraction`` of the images read so far in the pass (of at least 100) is one line.
+    The engine's loader contract (:class:`lgvit.data.protocol.TrainLoader`)."""
 
     def __init__(
         self,
@@ -167,6 +167,8 @@ class StreamingLoader(RecipeLoader):
         batches = [idx_all[s:e].tolist() for s, e in r.batch_bounds(idx_all.numel())]
         start, gen = r.pass_start()  # mid-epoch resume: skip decoding the batches done
         batches = batches[start:]
+        self.seen = self.bad = 0  # counted per pass (an epoch, an evaluation)
+        self.first_bad = None
         for (x, ok), idx in zip(self._decoded(batches, start), batches, strict=True):
             y = self.labels[idx]
             self._count_bad(ok, idx)

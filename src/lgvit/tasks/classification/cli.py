@@ -65,6 +65,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from lgvit.core.runtime import Dist, precision_name, resolve_amp
     from lgvit.data.datasets import ImageSet, load_test_split
     from lgvit.data.loader import AugmentConfig
+    from lgvit.data.protocol import skipped_in_pass
     from lgvit.data.stream import make_loader
     from lgvit.inference import load_model, resolve_preprocessing
     from lgvit.tasks.classification.evaluate import (
@@ -114,6 +115,9 @@ def run_eval(args: argparse.Namespace) -> int:
     res.update(checkpoint=str(args.checkpoint), data=args.data, images=len(split),
                unreadable=len(split) - res["count"], preprocessing=pre.to_dict(),
                classes=list(split.classes), precision=precision_name(amp))  # fmt: skip
+    skipped = skipped_in_pass(loader)  # a split read sample by sample: the first left out
+    if skipped is not None and skipped[0] and skipped[1]:
+        res["left_out"] = skipped[1]
     if recorder is not None:
         idx, labels, top, probs = recorder.result()
         if real_sets is not None:
@@ -150,8 +154,10 @@ def _check_eval_classes(args: argparse.Namespace, model: Any, classes: Sequence[
 
 def _print_eval(args: argparse.Namespace, res: dict[str, Any]) -> None:
     print(f"{args.checkpoint} on {args.data} ({res['count']} test images)")
-    if res["unreadable"]:
-        print(f"  {res['unreadable']} unreadable image(s) left out")
+    if res["unreadable"]:  # the figures above are of the images scored only
+        example = f", e.g. {res['left_out']}" if res.get("left_out") else ""
+        print(f"  {res['unreadable']} of {res['images']} images left out (unreadable or "
+              f"unlabelled){example}")  # fmt: skip
     if len(res["classes"]) <= 100:  # ImageNet's thousand rows are in --json
         for cls, acc in zip(res["classes"], res["per_class_acc"], strict=True):
             print(f"  {cls:20s} {acc:6.2f}%")
