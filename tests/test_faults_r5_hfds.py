@@ -6,6 +6,7 @@ refused (training and ``lgvit eval``), and a folder holding one saved ``Dataset`
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,22 @@ def test_train_on_a_folder_holding_one_saved_dataset_says_what_to_give(tmp_path,
         "validation=...).save_to_disk) and give its folder"
     )
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------- item 14: eval with classes from the largest label
+
+
+def test_eval_without_a_class_label_accepts_a_wider_head(tmp_path, capsys):
+    """Without a ClassLabel the split's classes are 0..its largest label: a bound from below, so
+    a validation split that lacks the top class is no mismatch for a wider head (before: "has a
+    3-class head but hfds has 2 classes"); a label beyond the head is still refused."""
+    d = _save(tmp_path / "d", _plain(6, [0, 1, 2, 0, 1, 2]), _plain(3, [1, 0, 1], 50))
+    assert _train(d, tmp_path / "run") == 0
+    capsys.readouterr()
+    ckpt = tmp_path / "run" / "last.safetensors"
+    assert _eval(ckpt, d, "--json") == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["count"] == 3 and res["classes"] == ["0", "1", "2"]
+    beyond = _save(tmp_path / "e", _plain(3, [0, 1, 2]), _plain(3, [1, 3, 0], 50))
+    assert _eval(ckpt, beyond) == 2
+    assert "3-class head" in _error(capsys, "eval")

@@ -70,6 +70,7 @@ class HFImageSet:
     rows: np.ndarray  # int64 (N,)
     labels: torch.Tensor  # int64 (N,)
     classes: list[str]
+    classes_inferred: bool = False  # 0..K-1 from the largest label seen: no ClassLabel
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -276,7 +277,8 @@ def _read_split(
     _check_left_out(data_dir, split, left_out, len(values), max_bad_fraction)
     rows = np.flatnonzero(~_bad(values, missing, len(classes)))
     labels = torch.from_numpy(values[rows].astype(np.int64))  # all in 0..K-1 now
-    return HFImageSet(split, images, image_key, rows, labels, list(classes)), left_out
+    inferred = like.classes_inferred if like is not None else not names
+    return HFImageSet(split, images, image_key, rows, labels, list(classes), inferred), left_out
 
 
 def _difference(like: HFImageSet, split: str, names: list[str]) -> str:
