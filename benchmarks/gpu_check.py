@@ -385,10 +385,12 @@ def part_b(p: Part) -> None:
     if not p.smoke:
         env["LGVIT_TEST_DEVICE"] = "cuda"
     workers = XDIST_WORKERS if importlib.util.find_spec("xdist") and not p.smoke else 0
-    p.data["selections"] = len(TEST_SELECTIONS)
     if not workers and not p.smoke:
         p.note("pytest-xdist is not installed: the tests run one after another")
-    for i, (marker, words) in enumerate(TEST_SELECTIONS):
+    # smoke: one collection of both (collecting imports the test modules: seconds a run)
+    selections = [("device", "the device tests")] if p.smoke else TEST_SELECTIONS
+    p.data["selections"] = len(selections)
+    for i, (marker, words) in enumerate(selections):
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker,
                *(str(f.relative_to(ROOT)) for f in files)]  # fmt: skip
         cmd += ["-n", str(workers)] if workers else ["-p", "no:xdist"]
@@ -585,9 +587,10 @@ def _aug_syncs(p: Part, mode: str) -> dict[str, Any]:
 def part_d(p: Part) -> None:
     if p.smoke:
         eager_compiler()
-    names = [SMOKE_MODEL, "deit_tiny"] if p.smoke else [*PAIRS, *OWN]
+    names = [*PAIRS, *OWN]
     need = 5 if p.smoke else 25  # seconds an item needs at least: else it is left out
-    for name in names:  # eager, the batch sweep: every model first (the compiled runs may not fit)
+    # eager, the batch sweep: every model first (the compiled runs may not fit); smoke: a pair
+    for name in ["deit_tiny"] if p.smoke else names:
         if p.left() < need:
             p.note(f"eager: out of time before {name}")
             break
@@ -598,7 +601,7 @@ def part_d(p: Part) -> None:
                    lambda: authors_item(p.device, p.smoke, p.args.authors_lsa))  # fmt: skip
     else:
         p.note("lsa_tiny_cifar beside the LSA authors' model: no --authors-lsa DIR given")
-    for name in names:  # compiled at one batch; the warm-up compiled them into the caches
+    for name in [SMOKE_MODEL] if p.smoke else names:  # compiled at one batch: the warm-up's
         if p.left() < need:
             p.note(f"compiled: out of time before {name}")
             break
