@@ -24,6 +24,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "lgvit"
 # test_every_choices_flag_reads_its_owner: a new flag names its owner in this table.
 OWNERS: dict[tuple[str, str], tuple[str, ...]] = {
     ("bench", "amp"): AMP_MODES,
+    ("bench", "compile"): bench.COMPILE_MODES,
     ("bench", "scaling"): scaling.STUDY_NAMES,
     ("export", "format"): export.FORMATS,
     ("train", "task"): tasks.TASK_NAMES,

@@ -363,12 +363,14 @@ def _add_bench(sub: Any) -> None:
 
 def _batch_or_auto(text: str) -> int | str:
     """``--batch-size``: a count, or ``auto`` (the sweep)."""
-    if text == "auto":
+    from lgvit.tools.bench import AUTO
+
+    if text == AUTO:
         return text
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a count nor auto") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count nor {AUTO}") from None
 
 
 def _add_export(sub: Any) -> None:
