@@ -19,8 +19,10 @@ alone as inside a batch (their ``(attn @ v).squeeze()`` breaks a batch of one).
 
 Speed: the patches of all T shifted copies are gathered at once (no Python loop over shifts) and
 the T per-variant convolutions run as one batched matmul; the T-variant tensor stays T-major so
-it is never transposed; every attention goes through the shared SDPA helper, with query heads
-that share a key/value head folded into one call.
+it is never transposed; the global attentions go through the shared SDPA helper, with query
+heads that share a key/value head folded into one call; the local attention, one tiny problem
+per position and key/value head, runs as batched matmuls cut to CUDA's grid limit
+(:func:`~lgvit.models.layers.lsa_folded.attend_variants`).
 
 Ablation A (``lsa_tiny_cifar_a``, "no shifts, no local block"): stage 1 keeps its depth, a
 global block standing where the local block was; 6.8M params, as the paper's Table 5.
@@ -48,7 +50,7 @@ from lgvit.models.layers import (
     Grid,
     Stage,
     WindowAttention,
-    attention_probs,
+    autocast_dtype,
     contiguous_grad,
     conv_out_size,
     drop_path_schedule,
@@ -64,7 +66,12 @@ from lgvit.models.layers import (
     tokens_to_map,
     trunc_normal_,
 )
-from lgvit.models.layers.lsa_folded import FoldedProjection, attend_folded, fold_projection
+from lgvit.models.layers.lsa_folded import (
+    FoldedProjection,
+    attend_folded,
+    attend_variants,
+    fold_projection,
+)
 from lgvit.models.layers.shift import shift_patch_index
 from lgvit.models.registry import (
     CIFAR_MEAN,
@@ -216,6 +223,11 @@ class ShiftEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, ShiftedVariants | None, tuple[int, int]]:
         B, C, H, W = x.shape
         index, grid = self._index(H, W, x.device)
+        amp = autocast_dtype(x.device.type)
+        if amp is not None and x.dtype == torch.float32:
+            # Gathered in the type the embedding's matmuls cast to under autocast: T copies of
+            # the image moved at half the bytes, and no cast in each matmul that reads them.
+            x = x.to(amp)
         flat = F.pad(x.flatten(1), (0, 1))  # one trailing zero for padded taps
         if not with_variants or self.num_variants == 1:
             index = index[:1]
@@ -266,21 +278,11 @@ class LocalShiftAttention(Attention):
             if folded is not None:
                 return self.proj_drop(self.proj(attend_folded(self, self.q(query), folded, drop)))
             variants = variants.materialize()
-        # Every grid position is its own attention problem: fold positions into the batch
-        # (one query token per problem, so the grouped-query fold costs no copy: ~3x faster on
-        # CPU than separate (1 x T) attentions per head with kv_heads=1).
-        q = self.q(query).reshape(B * N, 1, C)
-        kv = self.kv(variants if norm is None else norm(variants))
-        # Position-major copy of the key/value tensor: SDPA then reads k and v as plain
-        # strided views, and the backward hands the projection a gradient that is one
-        # transpose away from contiguous (a permuted one made its matmul ~5x slower).
-        kv = contiguous_grad(kv)
-        kv = kv.flatten(1, 2).transpose(0, 1).contiguous()  # (B*N, T, 2*kv_heads*head_dim)
-        c = self.kv_heads * self.head_dim
-        if self.captured is not None:  # (B, heads, N, T): each position's weights over shifts
-            p = attention_probs(q, kv[..., :c], self.num_heads, self.kv_heads)
-            self.captured.append((p.view(B, N, self.num_heads, T).transpose(1, 2), None))
-        x = multihead_sdpa(q, kv[..., :c], kv[..., c:], self.num_heads, self.kv_heads, None, drop)
+        # The variants' keys and values, variant-major (T, B*N, ...) as the projection makes
+        # them; k and v by split, whose backward hands the projection one contiguous gradient.
+        kv = contiguous_grad(self.kv(variants if norm is None else norm(variants)))
+        k, v = kv.reshape(T, B * N, -1).split(self.kv_heads * self.head_dim, dim=-1)
+        x, _ = attend_variants(self, self.q(query), k, v, drop)
         return self.proj_drop(self.proj(x.reshape(B, N, C)))
 
 

@@ -21,6 +21,7 @@ from lgvit.models.layers.features import FeatureInfo, feature_take_indices
 from lgvit.models.layers.helpers import (
     Grid,
     as_written,
+    autocast_dtype,
     contiguous_grad,
     conv_out_size,
     map_to_tokens,
@@ -55,6 +56,7 @@ __all__ = [
     "Attention",
     "Block",
     "as_written",
+    "autocast_dtype",
     "running_as_written",
     "DEFORM_IMPLS",
     "DeformConv2d",

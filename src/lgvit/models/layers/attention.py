@@ -56,7 +56,7 @@ def multihead_sdpa(
     cpu = q.device.type == "cpu"
     low = cpu and q.dtype != torch.float32
     if (low and (torch.is_grad_enabled() or not _amx())) or (
-        attn_mask is not None and (cpu or torch.compiler.is_exporting())
+        attn_mask is not None and (cpu or _is_exporting())
     ):
         # bf16 on the CPU: the fused kernel's backward is slow (see _explicit_attention), and
         # without AMX its forward too (AMD EPYC avx512_bf16, batch 32 inference: DeiT-T 91.6
@@ -79,6 +79,30 @@ def multihead_sdpa(
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
         )
     return x.view(B, kvh, g, N, d).permute(0, 3, 1, 2, 4).reshape(B, N, num_heads * d)
+
+
+# torch.compiler.is_exporting came in torch 2.6 (on 2.4 and 2.5 its call was an AttributeError
+# for masked attention off the CPU); there an export takes the fused kernel.
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+# CUDA's limit on a grid's y and z sizes, where kernels put a batch: flash attention's grid is
+# (query blocks, batch, heads), batched GEMV/GEMM kernels put the batch in z. LSA's local
+# attention is one tiny problem per position and head (B*N*heads of them: 262,144 for
+# lsa_tiny_224 at batch 64), so its batched matmuls are cut to pieces of at most this many.
+MAX_KERNEL_BATCH = 65535
+
+
+def chunked_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)``, run as bmm calls of at most :data:`MAX_KERNEL_BATCH` matrices each.
+
+    ``split`` rather than slices: its backward writes each operand's gradient once (a cat).
+    Under torch.compile or torch.export (a symbolic batch) it is one bmm: the graph must not
+    depend on the batch size, and the compiler chooses its own kernels."""
+    n = a.shape[0]
+    if torch.compiler.is_compiling() or isinstance(n, torch.SymInt) or n <= MAX_KERNEL_BATCH:
+        return torch.bmm(a, b)
+    pieces = zip(a.split(MAX_KERNEL_BATCH), b.split(MAX_KERNEL_BATCH), strict=True)
+    return torch.cat([torch.bmm(x, y) for x, y in pieces])
 
 
 # Read once at import (/proc/cpuinfo): torch.compile then reads a constant instead of tracing a

@@ -31,6 +31,30 @@ def running_as_written() -> bool:
     return _as_written
 
 
+# The device types autocast knows, read once at import: torch.is_autocast_enabled raises for
+# any other (meta), and torch.amp.is_autocast_available, which says so, is a call torch 2.11's
+# Dynamo cannot trace (2.14's can): a graph break in every forward that asked it.
+def _autocast_devices() -> frozenset[str]:
+    known = getattr(torch.amp, "is_autocast_available", None)
+    if known is None:  # an older torch: the two device types every release has
+        return frozenset(("cpu", "cuda"))
+    names = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla", "ipu")
+    return frozenset(d for d in (*names, torch._C._get_privateuse1_backend_name()) if known(d))
+
+
+AUTOCAST_DEVICES = _autocast_devices()
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The type autocast computes in on ``device_type`` now, or ``None`` when it is off there.
+
+    Traceable by Dynamo from torch 2.4 (a set lookup on a constant string, then two calls it
+    folds to constants)."""
+    if device_type not in AUTOCAST_DEVICES or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def to_2tuple(v: int | Sequence[int]) -> tuple[int, int]:
     """``7 -> (7, 7)``; a pair stays a pair."""
     return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))

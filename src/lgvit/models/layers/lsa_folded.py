@@ -1,5 +1,7 @@
-"""LSA's local attention over the shifted variants, folded: the fast path of
-:class:`~lgvit.models.lsa.LocalShiftAttention`, equal to the plain path (tests/test_lsa_fold.py).
+"""LSA's local attention over the shifted variants: the softmax over each position's T
+variants that both paths share (:func:`attend_variants`), and the fast path of
+:class:`~lgvit.models.lsa.LocalShiftAttention`, folded, equal to the plain path
+(tests/test_lsa_fold.py).
 
 The plain path builds the T shifted variants of every token, normalises them and projects
 them to keys and values. Here the LayerNorm and the key/value projection fold into the
@@ -17,8 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lgvit.models.layers.attention import Attention
-from lgvit.models.layers.helpers import contiguous_grad
+from lgvit.models.layers.attention import Attention, chunked_bmm
+from lgvit.models.layers.helpers import autocast_dtype, contiguous_grad
 
 
 @dataclass(frozen=True)
@@ -70,20 +72,75 @@ def fold_projection(
     if norm.bias is not None:
         e = e + norm.bias @ lin
     dev = patches.device.type
-    autocast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
-    with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
+    amp = autocast_dtype(dev)
+    with torch.autocast(dev, enabled=False) if amp else contextlib.nullcontext():
         sd = torch.promote_types(patches.dtype, torch.float32)
-        p = patches.to(sd).view(T, B, N, -1)
+        p = patches.to(sd)  # (T, B*N, K)
         wf, cf = w.to(sd), c.to(sd)
         gram = wf @ wf.transpose(1, 2)  # (T', K, K)
         h = 2 * cf @ wf.transpose(1, 2)  # (T'', N, K)
-        quad = ((torch.matmul(p, gram[:, None]) + h[:, None]) * p).sum(-1)  # (T, B, N)
+        # one (B*N x K) matmul per variant: a batch of T, not T*B (CUDA's grid limit)
+        pg = torch.matmul(p, gram).view(T, B, N, -1)
+        quad = ((pg + h[:, None]) * p.view(T, B, N, -1)).sum(-1)  # (T, B, N)
         var = (quad + cf.square().sum(-1)[:, None]).clamp_min(0) / C
         rstd = torch.rsqrt(var + norm.eps)[..., None]  # (T, B, N, 1)
-        scaled = (p * rstd).view(T, B * N, -1)  # rstd scales K columns, not `out`
+        scaled = (p.view(T, B, N, -1) * rstd).view(T, B * N, -1)  # rstd scales K, not `out`
     # cast once here, not in each matmul that reads it: to autocast's type or the weights'
-    scaled = scaled.to(torch.get_autocast_dtype(dev) if autocast else w.dtype)
+    scaled = scaled.to(amp or w.dtype)
     return FoldedProjection(scaled, w @ g_lin, rstd, c @ g_lin, e)
+
+
+def attend_variants(
+    attn: Attention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    drop: float,
+    logit_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's query attends over its T variants' keys and values.
+
+    ``q (B, N, heads*dh)``; ``k, v (T, B*N, kv_heads*dh)``, variant-major as the projection
+    makes them (any strides a view gives); ``logit_bias`` is added to the ``(B, N, kv_heads,
+    g, T)`` logits (g query heads per key/value head). Returns the weighted values ``(B, N,
+    kv_heads, g, dh)`` and the probabilities ``(B, N, kv_heads, g, T)`` in float32, after
+    dropout. Each position and key/value head is one small problem (g x T logits), B*N*kv_heads
+    of them: batched matmuls cut by :func:`~lgvit.models.layers.attention.chunked_bmm` to
+    CUDA's grid limit, not SDPA, whose CUDA kernels take at most 65,535 problems a call; the
+    softmax runs over T in float32 (a tensor dh times smaller than the keys).
+    """
+    T = k.shape[0]
+    B, N = q.shape[:2]
+    kvh, dh = attn.kv_heads, attn.head_dim
+    g = attn.num_heads // kvh
+    rows = B * N * kvh
+    kp, vp = _position_major(k, rows, dh), _position_major(v, rows, dh)  # (rows, T, dh)
+    logits = chunked_bmm(q.reshape(rows, g, dh), kp.transpose(1, 2)).view(B, N, kvh, g, T)
+    if logit_bias is not None:
+        logits = logits + logit_bias
+    p = (logits.to(torch.promote_types(logits.dtype, torch.float32)) * dh**-0.5).softmax(-1)
+    if attn.captured is not None:  # (B, heads, N, T): each position's weights over shifts
+        attn.captured.append((p.view(B, N, attn.num_heads, T).transpose(1, 2), None))
+    if drop:
+        p = F.dropout(p, drop)
+    x = chunked_bmm(p.view(rows, g, T).to(vp.dtype), vp)
+    return x.view(B, N, kvh, g, dh), p
+
+
+def _position_major(x: torch.Tensor, rows: int, dh: int) -> torch.Tensor:
+    """``(T, B*N, kv_heads*dh)`` -> ``(B*N*kv_heads, T, dh)``: a strided view where the heads'
+    blocks are adjacent (the matmuls read it as it is), else a copy. On the CPU always a copy:
+    bf16 batched matmuls copy strided operands anyway (in the forward and again in the
+    backward); one explicit copy each, whose gradient comes back contiguous, made a bf16
+    training step ~5% faster."""
+    T = x.shape[0]
+    x = x.reshape(T, rows, dh).transpose(0, 1) if x.is_contiguous() else _copy_rows(x, rows, dh)
+    return x.contiguous() if x.device.type == "cpu" else x
+
+
+def _copy_rows(x: torch.Tensor, rows: int, dh: int) -> torch.Tensor:
+    T = x.shape[0]
+    return x.view(T, -1, x.shape[-1] // dh, dh).permute(1, 2, 0, 3).reshape(rows, T, dh)
 
 
 def attend_folded(
@@ -103,27 +160,15 @@ def attend_folded(
     kvh, dh = attn.kv_heads, attn.head_dim
     g = attn.num_heads // kvh
     ck = kvh * dh
-    # (T, B*N, kvh*dh), then position-major copies: bf16 batched matmuls copy strided
-    # operands anyway (in the forward and again in the backward); one explicit copy each,
-    # whose gradient comes back contiguous, made a bf16 training step ~5% faster.
-    k = contiguous_grad(torch.matmul(f.scaled, f.weight[..., :ck]))
+    k = contiguous_grad(torch.matmul(f.scaled, f.weight[..., :ck]))  # (T, B*N, kvh*dh)
     v = contiguous_grad(torch.matmul(f.scaled, f.weight[..., ck:]))
-    kp = k.view(T, -1, dh).transpose(0, 1).contiguous()  # (B*N*kvh, T, dh)
-    vp = v.view(T, -1, dh).transpose(0, 1).contiguous()
     offset = f.offset.expand(T, N, -1)
     dk = offset[..., :ck].reshape(T, N, kvh, dh).to(q.dtype)
     dv = offset[..., ck:].reshape(T, N, kvh, dh)
     rstd = f.scale[..., 0].permute(1, 2, 0)[:, :, None, None]  # (B, N, 1, 1, T)
-    q5 = q.view(B, N, kvh, g, dh)
-    logits = torch.bmm(q.reshape(B * N * kvh, g, dh), kp.transpose(1, 2))
-    logits = logits.view(B, N, kvh, g, T) + rstd * torch.einsum("bnjgd,tnjd->bnjgt", q5, dk)
-    p = (logits.to(torch.promote_types(logits.dtype, torch.float32)) * dh**-0.5).softmax(-1)
-    if attn.captured is not None:  # (B, heads, N, T): each position's weights over shifts
-        attn.captured.append((p.view(B, N, attn.num_heads, T).transpose(1, 2), None))
-    if drop:
-        p = F.dropout(p, drop)
-    x = torch.bmm(p.view(-1, g, T).to(vp.dtype), vp)
+    bias = rstd * torch.einsum("bnjgd,tnjd->bnjgt", q.view(B, N, kvh, g, dh), dk)
+    x, p = attend_variants(attn, q, k, v, drop, bias)
     pr = (p * rstd).to(dv.dtype)
-    x = x.view(B, N, kvh, g, dh) + torch.einsum("bnjgt,tnjd->bnjgd", pr, dv).to(x.dtype)
+    x = x + torch.einsum("bnjgt,tnjd->bnjgd", pr, dv).to(x.dtype)
     x = x + p.sum(-1, keepdim=True).to(x.dtype) * f.bias[ck:].view(kvh, 1, dh).to(x.dtype)
     return x.reshape(B, N, kvh * g * dh)
