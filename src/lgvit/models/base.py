@@ -27,6 +27,7 @@ from lgvit.models.layers import (
     Grid,
     Stage,
     WindowAttention,
+    autocast_dtype,
     feature_take_indices,
     init_vit_weights,
     num_prefix_tokens,
@@ -67,9 +68,7 @@ def check_image(x: torch.Tensor, in_chans: int, weight: torch.Tensor | None) -> 
             "first (x.float() / 255, then the model's mean and std)"
         )
     want = x.dtype if weight is None else weight.dtype
-    dev = x.device.type
-    autocast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
-    if x.dtype != want and not autocast:
+    if x.dtype != want and autocast_dtype(x.device.type) is None:
         want_name = str(want).removeprefix("torch.")
         raise ValueError(
             f"input is {got} but the model's weights are {want_name}: pass "
