@@ -102,6 +102,8 @@ def test_a_run_written_before_the_split_resumes_and_loads(tmp_path):
             for k in ("train_loss", "test_loss", "test_acc1", "test_acc5", "img_per_s",
                       "epoch_time_s"):  # fmt: skip
                 h[k] = float(h[k])
+    # Recorded since (a resume compares them with today's data): the split's size, the steps.
+    assert (n["extra"].pop("train_images"), n["extra"].pop("steps_per_epoch")) == (512, 16)
     _same_state(o, n, "state")
 
     for run in ("old", "new"):  # both continued by today's code
