@@ -90,7 +90,7 @@ def bench_item(device: str, smoke: bool, name: str, compiled: bool) -> dict[str,
         best = "" if compiled else "best_"
         for kind in ("infer", "train"):
             ours, theirs = (r.get(f"{kind}_{best}img_s") for r in rows)
-            out[f"{kind}_ratio"] = round(ours / theirs, 3) if ours and theirs else None
+            out[f"{kind}_ratio"] = float(f"{ours / theirs:.3g}") if ours and theirs else None
     return {"ok": ok, **out, "matmul_peak_tflops": result["matmul_peak_tflops"], "rows": rows}
 
 
@@ -135,7 +135,7 @@ def authors_item(device: str, smoke: bool, authors_lsa: str) -> dict[str, Any]:
     out: dict[str, Any] = {"ok": all(r.get("error") is None for r in rows), "rows": rows}
     for kind in ("infer", "train"):
         ours, theirs = (r.get(f"{kind}_img_s") for r in rows)
-        out[f"{kind}_ratio"] = round(ours / theirs, 3) if ours and theirs else None
+        out[f"{kind}_ratio"] = float(f"{ours / theirs:.3g}") if ours and theirs else None
     return out
 
 
