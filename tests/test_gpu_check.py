@@ -58,7 +58,8 @@ def test_smoke_runs_every_part_and_reports_each(tmp_path):
     assert all(f"## {k}." in md for k in parts)
     # The goals come first, one row each, then the parts.
     table = md[md.index("| goal | measured | holds |") :].split("\n\n")[0].splitlines()
-    assert len(table) == 2 + len(report["goals"]) == 2 + 3 + len(gc.PAIRS) + 2
+    assert len(table) == 2 + len(report["goals"]) == 2 + 5 + 3 + len(gc.PAIRS) + 2
+    assert "| 224-px JPEGs decoded on the GPU" in table[6]  # issue 56's five come first
     assert md.index("| goal |") < md.index("| part |") < md.index("## a.")
     # The figures each part exists for are there.
     a = {i["item"]: i for i in parts["a"]["items"]}
@@ -208,6 +209,40 @@ def test_goals_hold_fail_or_are_not_measured():
     assert got["lsa_tiny_cifar / the LSA authors' model at batch 512"]["holds"] == "no"
     budgets = got["every part finishes within its budget"]
     assert budgets["holds"] == "no" and "d 11/10 s" in budgets["measured"]
+
+
+def test_issue_56_goals_come_first_each_judged_from_its_part():
+    gc = _load()
+    rows = {"lit_s": {"train_mfu": 0.31, "train_busy": 0.95},
+            "lsa_small_224": {"train_mfu": 0.2, "train_busy": 0.85}}  # fmt: skip
+    d = [{"item": f"compiled {n}", "rows": [{"model": n, "batch": 128, **r}]}
+         for n, r in rows.items()]  # fmt: skip
+    d.append({"item": "compiled deit_small", "rows": [
+        {"model": "deit_small", "train_mfu": 0.4},
+        {"model": "timm deit_small_patch16_224", "train_mfu": 0.25}]})  # fmt: skip
+    epochs = [{"epoch": 0, "img_per_s": 9000.0, "train_size": 16, "epoch_time_s": 30.0},
+              {"epoch": 1, "img_per_s": 3000.0, "train_size": 32, "epoch_time_s": 60.0},
+              {"epoch": 2, "img_per_s": 3900.0, "train_size": 32, "epoch_time_s": 40.0},
+              {"epoch": 3, "img_per_s": 3850.0, "train_size": 32, "epoch_time_s": 30.0,
+               "test_acc1": 90.2}]  # fmt: skip
+    e = [{"item": "synthetic step rate", "img_s": 4000.0},
+         {"item": "lgvit train --config x", "epochs": epochs}]  # fmt: skip
+    got = gc.goals(_report(d=d, e=e))[:5]
+    assert [g["holds"] for g in got] == ["no", "no", "yes", "no", "not measured"]
+    assert got[0]["measured"] == ("lit_s 0.310 at batch 128, lsa_small_224 0.200 at batch 128; "
+                                  "timm deit_small 0.250")  # fmt: skip
+    assert "lsa_small_224 0.850" in got[1]["measured"]
+    assert got[2]["measured"] == "3900 / 4000 img/s = 0.975"  # the first 32 px epoch left out
+    assert got[3]["measured"] == "90.20% after 160 s (epoch 4)"  # 10 s past the 150
+    assert got[4]["measured"] == "not measured: needs --decode-device"
+    epochs[-1]["epoch_time_s"], rows["lsa_small_224"]["train_mfu"] = 20.0, 0.25
+    rows["lsa_small_224"]["train_busy"] = 0.9
+    d[1]["rows"] = [{"model": "lsa_small_224", "batch": 128, **rows["lsa_small_224"]}]
+    assert [g["holds"] for g in gc.goals(_report(d=d, e=e))[:4]] == ["yes"] * 4
+    epochs[2]["img_per_s"] = epochs[3]["img_per_s"] = 3700.0  # 0.925 of the step's rate
+    assert gc.goals(_report(d=d, e=e))[2]["holds"] == "no"
+    nothing = gc.goals(_report(a=[]))[:5]
+    assert [g["holds"] for g in nothing] == ["not measured"] * 5
 
 
 AUTHORS_MODEL = """

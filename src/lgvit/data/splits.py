@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
 from PIL import Image
 
+from lgvit.core.errors import LgvitError
 from lgvit.data.decode import load_rgb
 
-__all__ = ["DatasetSplits", "FileImageSet", "ImageSet", "SampleSet"]
+__all__ = ["DatasetSplits", "FileImageSet", "ImageSet", "SampleSet", "splits_on_device"]
 
 
 @dataclass
@@ -88,3 +89,34 @@ class DatasetSplits:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     skipped: list[str]
+
+
+# data_on_device refuses splits past this share of the GPU's free memory: the rest is the run's.
+ON_DEVICE_MAX_SHARE = 0.5
+
+
+def splits_on_device(splits: DatasetSplits, device: torch.device | str) -> DatasetSplits:
+    """Both decoded splits with their uint8 images and labels moved to ``device``, once: the
+    loader then indexes each batch there and runs the recipe where the images are, with no
+    host gather or copy per batch (CIFAR-10's 184 MB on a GPU). A split read from its files or
+    rows, or one that would take more than half of the GPU's free memory, is one line."""
+    device = torch.device(device)
+    parts = {"train": splits.train, "test": splits.test}
+    for name, split in parts.items():
+        if not isinstance(split, ImageSet):
+            raise LgvitError(
+                f"data_on_device: the {name} split of {splits.name} is read from its files while "
+                "training, not decoded into memory (set data_on_device false)"
+            )
+    need = sum(s.images.nbytes + s.labels.nbytes for s in parts.values())
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        if need > ON_DEVICE_MAX_SHARE * free:
+            raise LgvitError(
+                f"data_on_device: the decoded splits take {need / 2**30:.1f} GiB, more than "
+                f"{ON_DEVICE_MAX_SHARE:.0%} of the {free / 2**30:.1f} GiB free on {device} "
+                "(set data_on_device false)"
+            )
+    moved = {n: replace(s, images=s.images.to(device), labels=s.labels.to(device))
+             for n, s in parts.items()}  # fmt: skip
+    return replace(splits, **moved)

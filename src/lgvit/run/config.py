@@ -83,6 +83,9 @@ class TrainConfig:
     cache_dir: str | None = None  # where decoded uint8 images are cached (~/.cache/lgvit)
     max_bad_fraction: float = 0.05  # unreadable images tolerated per split before stopping
     stream: bool | None = None  # imagefolder: None = stream from files when too big to cache
+    # classification: the decoded splits' uint8 images moved to the device once, batches
+    # indexed and augmented there (no host work per batch); CIFAR-sized data on a GPU
+    data_on_device: bool = False
     # wds / hfds (None: timm's defaults): a shard sample's image key(s), e.g. 'jpg;png;webp'
     # (the first present), or a dataset's image column ('image'); the label's ('cls', 'label')
     input_key: str | None = None
@@ -611,6 +614,11 @@ def _validate_sources_and_run(cfg: TrainConfig, fail: Any) -> None:
     """The data source's keys, the loggers and the fine-tuning decay."""
     if cfg.data in (*SOURCES, "imagefolder") and not cfg.data_dir:
         fail("data_dir", f"data={cfg.data} needs data_dir")
+    if cfg.data_on_device and cfg.task != DEFAULT_TASK:
+        fail("data_on_device", f"applies to task={DEFAULT_TASK}, not task={cfg.task}")
+    if cfg.data_on_device and (cfg.data in SOURCES or cfg.stream):
+        how = "stream=true: the files are" if cfg.stream else f"data={cfg.data} is"
+        fail("data_on_device", f"needs a split decoded into memory ({how} read while training)")
     for key in ("input_key", "target_key", "train_split", "val_split"):
         if getattr(cfg, key) is not None and cfg.data not in SOURCES:
             fail(key, f"applies to data={' or '.join(SOURCES)}, not {cfg.data}")

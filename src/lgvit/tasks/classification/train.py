@@ -22,6 +22,7 @@ from lgvit.core.errors import LgvitError, first_line
 from lgvit.core.runtime import Dist, autocast, barrier
 from lgvit.data.datasets import DatasetSplits, load_dataset
 from lgvit.data.loader import AugmentConfig
+from lgvit.data.splits import splits_on_device
 from lgvit.data.stream import make_loader
 from lgvit.data.transforms import soft_target_cross_entropy
 from lgvit.models import create_model, get_model_config, is_model, list_models
@@ -163,6 +164,8 @@ class ClassificationTask:
         self.cfg = cfg
         model, self.img_size = build_model(cfg, num_classes=cfg.num_classes or 1)
         splits = build_data(cfg, self.img_size, d)
+        if cfg.data_on_device:
+            splits = splits_on_device(splits, d.device)
         num_classes = self.num_classes = cfg.num_classes or len(splits.train.classes)
         if num_classes != model.num_classes:
             model.reset_classifier(num_classes)
