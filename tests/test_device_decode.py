@@ -4,6 +4,7 @@ the CPU: the same code a GPU runs, nvJPEG aside), against the PIL path in the wo
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -288,3 +289,27 @@ def test_decode_device_cuda_without_cuda_is_one_line(monkeypatch, tmp_path, caps
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(err) == 1, p.stderr[-2000:]
     assert "--decode-device cuda: no CUDA device" in err[0]
+
+
+def test_train_cli_decodes_on_the_device_and_counts_pils_share(tmp_path):
+    """``--decode-device cpu`` through ``lgvit train`` on a streamed folder: the PNGs PIL
+    decoded are the epoch's count, in metrics.jsonl and in its line."""
+    for split in ("train", "val"):
+        for c, cls in enumerate(("ant", "bee")):
+            (tmp_path / "d" / split / cls).mkdir(parents=True)
+            for i in range(6):
+                img = _photo(40 + 4 * i, 36, 10 * c + i)
+                img.save(tmp_path / "d" / split / cls / f"{i}.{'png' if i == 0 else 'jpg'}")
+    run = tmp_path / "r"
+    p = subprocess.run(
+        [sys.executable, "-m", "lgvit", "train", "--model", "lsa_micro_cifar", "--img-size", "16",
+         "--data", "imagefolder", "--data-dir", str(tmp_path / "d"), "--epochs", "1",
+         "--batch-size", "4", "--out", str(run), "--set", "stream=true", "--set", "workers=1",
+         "--decode-device", "cpu", "--set", f"cache_dir={tmp_path / 'c'}", "--aa", "none"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["train_cpu_decoded"] == 2  # the two PNGs: all 12 images make 3 batches of 4
+    log = (run / "train.log").read_text()
+    assert f"{row['train_cpu_decoded']} decoded by PIL (not JPEG)" in log
