@@ -217,6 +217,7 @@ TIMM_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--decay-rate": ("decay_rate", float, "step schedule: lr factor per decay"),
     "--model-ema-decay": ("ema_decay", float, "EMA decay per step"),
     "--workers": ("workers", int, "decoding processes (streamed folders, shards, datasets)"),
+    "--decode-device": ("decode_device", str, "none | cuda | cpu: streamed JPEGs decoded there"),
     "--input-key": ("input_key", str, "wds/hfds: image key(s) or column (jpg;png;webp, image)"),
     "--target-key": ("target_key", str, "wds/hfds: label key or column (cls, label)"),
     "--train-split": ("train_split", str, "wds/hfds: the split trained on (train)"),

@@ -33,6 +33,7 @@ __all__ = [
     "TURNED_ORIENTATIONS",
     "decode_to_npy",
     "exif_orientation",
+    "jpeg_header",
     "load_rgb",
     "no_space_error",
     "npy_writer",
@@ -153,6 +154,18 @@ def load_rgb(path: str | bytes, upright: bool = True) -> Image.Image:
     img = _load(path, None, None, upright)
     assert img is not None  # only a size expectation returns None
     return img
+
+
+def jpeg_header(data: bytes) -> tuple[int, int, int] | None:
+    """(upright width, upright height, EXIF orientation) of an encoded JPEG whose pixels a JPEG
+    decoder gives as PIL does (greyscale or YCbCr/RGB: ``L`` or ``RGB`` to PIL), read from its
+    header alone; None for any other image (PNG, CMYK JPEG, ...): PIL decodes those. Raises, as
+    :func:`load_rgb` does, on an unreadable header and on images too large or too thin."""
+    with _open(data) as img:
+        if img.format != "JPEG" or img.mode not in ("L", "RGB"):
+            return None
+        orientation = _orientation(img)
+        return (*_upright_size(img, orientation), orientation)
 
 
 def _decode_image(

@@ -81,12 +81,23 @@ class HFImageSet:
 
     def open(self, i: int) -> Image.Image:
         """Sample ``i`` decoded by lgvit; raises when it is unreadable (counted by the loader)."""
+        return load_rgb(self._cell(i))
+
+    def encoded(self, i: int) -> bytes:
+        """Sample ``i``'s encoded image (what a device decoder reads)."""
+        cell = self._cell(i)
+        if isinstance(cell, str):
+            with open(cell, "rb") as f:
+                return f.read()
+        return cell
+
+    def _cell(self, i: int) -> bytes | str:
         cell = self.images[int(self.rows[i])][self.input_key]
         if isinstance(cell, dict):  # datasets' Image storage: encoded bytes, or a file's path
             cell = cell.get("bytes") or cell.get("path")
         if not isinstance(cell, (bytes, str)):
             raise ValueError(f"{self.name(i)} holds no image")
-        return load_rgb(cell)
+        return cell
 
 
 # ---------------------------------------------------------------------------- finding splits

@@ -439,6 +439,8 @@ def _kept(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """The images ``keep`` of ``x``, in memory pinned as ``x`` is: a batch is pinned once (by
     the DataLoader, for a CUDA device), and the copy to the device reads that buffer
     (``Tensor.pin_memory`` returns a pinned tensor itself), with no pageable copy between."""
+    if x.device.type != "cpu":  # decoded on the device (lgvit.data.device_decode)
+        return x[keep.to(x.device)]
     out = torch.empty((len(keep), *x.shape[1:]), dtype=x.dtype, pin_memory=x.is_pinned())
     return torch.index_select(x, 0, keep, out=out)
 

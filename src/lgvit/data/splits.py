@@ -78,6 +78,11 @@ class FileImageSet:
         """Image ``i`` upright (EXIF orientation); too large or too thin images refused."""
         return load_rgb(self.paths[i])
 
+    def encoded(self, i: int) -> bytes:
+        """Image ``i``'s file as stored (what a device decoder reads)."""
+        with open(self.paths[i], "rb") as f:
+            return f.read()
+
 
 @dataclass
 class DatasetSplits:

@@ -24,6 +24,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from lgvit.core.errors import LgvitError
+from lgvit.data.decode import load_rgb
+from lgvit.data.device_decode import EncodedBatch, device_decoder
 from lgvit.data.loader import AugmentConfig, BatchLoader, BatchRecipe, RecipeLoader, _seed
 from lgvit.data.segmentation import own_generator
 from lgvit.data.splits import FileImageSet, ImageSet, SampleSet
@@ -56,8 +58,9 @@ def random_resized_box(
 
 
 class _DecodeBatches(Dataset):
-    """Item i: the samples of batch i decoded to uint8 ``(B, 3, S, S)`` plus a readable mask.
-    ``samples``: a :class:`SampleSet`, or a list of image file paths."""
+    """Item i: the samples of batch i decoded to uint8 ``(B, 3, S, S)`` plus a readable mask;
+    ``encoded``: JPEGs left encoded for the main process, with their :class:`EncodedBatch`'s
+    payload third. ``samples``: a :class:`SampleSet`, or a list of image file paths."""
 
     def __init__(
         self,
@@ -71,6 +74,7 @@ class _DecodeBatches(Dataset):
         ratio: tuple[float, float],
         seed: int,
         first: int = 0,
+        encoded: bool = False,
     ) -> None:
         if not isinstance(samples, SampleSet):  # file paths: read as a file list
             samples = FileImageSet(list(samples), torch.zeros(len(samples), dtype=torch.int64), [])
@@ -78,30 +82,49 @@ class _DecodeBatches(Dataset):
         self.crop_pct, self.interpolation = crop_pct, interpolation
         self.scale, self.ratio, self.seed = scale, ratio, seed
         self.first = first  # index of batches[0] in the epoch (its crops' seed)
+        self.encoded = encoded  # JPEGs handed over encoded (lgvit.data.device_decode)
 
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple:
         # Seeded per batch of the epoch: workers can't reorder it, a resume can skip batches.
         rng = random.Random(self.seed * 1_000_003 + self.first + i)
-        s = self.size
-        out = torch.zeros((len(self.batches[i]), 3, s, s), dtype=torch.uint8)
-        ok = torch.zeros(len(self.batches[i]), dtype=torch.bool)
+        s, b = self.size, len(self.batches[i])
+        out = torch.zeros((b, 3, s, s), dtype=torch.uint8)
+        ok = torch.zeros(b, dtype=torch.bool)
+        enc = EncodedBatch(b) if self.encoded else None
         for j, idx in enumerate(self.batches[i]):
             try:  # upright (EXIF orientation); too large or too thin images refused
-                rgb = self.samples.open(idx)
+                if enc is None:
+                    rgb = self.samples.open(idx)
+                else:  # JPEGs: the header read, the box drawn, the main process decodes
+                    data = self.samples.encoded(idx)  # type: ignore[attr-defined]
+                    if enc.add(j, data, lambda w, h: self._box(w, h, rng)):
+                        ok[j] = True
+                        continue
+                    rgb = load_rgb(data)
+                out[j] = self._crop(rgb, rng)
             except Exception:  # unreadable sample: masked out and counted by the loader
                 continue
-            if self.train:
-                box = random_resized_box(*rgb.size, self.scale, self.ratio, rng)
-                rgb = rgb.resize((s, s), Image.Resampling.BICUBIC, box=box)
-                out[j] = torch.from_numpy(np.array(rgb, dtype=np.uint8)).permute(2, 0, 1)
-            else:  # the eval transform of in-memory splits and of predict, image by image
-                chw = torch.from_numpy(np.array(rgb, dtype=np.uint8)).permute(2, 0, 1)
-                out[j] = resize_center_crop(chw[None], s, self.crop_pct, self.interpolation)[0]
             ok[j] = True
-        return out, ok
+        return (out, ok) if enc is None else (out, ok, enc.payload())
+
+    def _box(self, width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
+        """Train: the random-resized crop's box; eval: the whole image (center-cropped later)."""
+        if not self.train:
+            return 0, 0, width, height
+        return random_resized_box(width, height, self.scale, self.ratio, rng)
+
+    def _crop(self, rgb: Image.Image, rng: random.Random) -> torch.Tensor:
+        """An upright RGB image's uint8 ``(3, S, S)`` crop."""
+        s = self.size
+        if self.train:
+            rgb = rgb.resize((s, s), Image.Resampling.BICUBIC, box=self._box(*rgb.size, rng))
+            return torch.from_numpy(np.array(rgb, dtype=np.uint8)).permute(2, 0, 1)
+        # the eval transform of in-memory splits and of predict, image by image
+        chw = torch.from_numpy(np.array(rgb, dtype=np.uint8)).permute(2, 0, 1)
+        return resize_center_crop(chw[None], s, self.crop_pct, self.interpolation)[0]
 
 
 class StreamingLoader(RecipeLoader):
@@ -111,7 +134,9 @@ class StreamingLoader(RecipeLoader):
     process. Unreadable samples are left out of their batch and counted per pass (``seen``,
     ``bad``, ``first_bad``: its name; what the run reports each epoch); more than
     ``max_bad_fraction`` of the images read so far in the pass (of at least 100) is one line.
-    The engine's loader contract (:class:`lgvit.data.protocol.TrainLoader`)."""
+    ``decode_device``: JPEGs decoded and cropped there (:mod:`lgvit.data.device_decode`), the
+    samples PIL decoded counted per pass (``decoder.cpu_decoded``). The engine's loader
+    contract (:class:`lgvit.data.protocol.TrainLoader`)."""
 
     def __init__(
         self,
@@ -121,6 +146,7 @@ class StreamingLoader(RecipeLoader):
         workers: int = 2,
         max_bad_fraction: float = 0.05,
         aug: AugmentConfig | None = None,
+        decode_device: torch.device | str | None = None,
         **kwargs: Any,
     ) -> None:
         # The workers crop (train: RandomResizedCrop; eval: resize and center crop); the recipe
@@ -135,14 +161,19 @@ class StreamingLoader(RecipeLoader):
         self.max_bad_fraction = max_bad_fraction
         self.seen = self.bad = 0
         self.first_bad: str | None = None
+        self.decoder = device_decoder(decode_device, self.crop, self.recipe.train)
+        if self.decoder is not None and not hasattr(samples, "encoded"):
+            raise LgvitError(f"--decode-device: a {type(samples).__name__} has no encoded "
+                             "samples to decode (image folders, wds and hfds have)")  # fmt: skip
 
     def _decoded(self, batches: list[list[int]], start: int) -> DataLoader:
         """The workers' uint8 batches ``(x, readable)`` of ``batches`` (the epoch's from
-        ``start``)."""
+        ``start``); with a device decoder, its payload third."""
         r, a = self.recipe, self.crop
         ds = _DecodeBatches(
             self.samples, batches, a.img_size, r.train, a.crop_pct, a.interpolation,
             a.rrc_scale, a.rrc_ratio, _seed(r.seed, r.epoch, r.rank, 2), first=start,
+            encoded=self.decoder is not None,
         )  # fmt: skip
         return DataLoader(
             ds, batch_size=None, shuffle=False, num_workers=self.workers,
@@ -169,7 +200,13 @@ class StreamingLoader(RecipeLoader):
         batches = batches[start:]
         self.seen = self.bad = 0  # counted per pass (an epoch, an evaluation)
         self.first_bad = None
-        for (x, ok), idx in zip(self._decoded(batches, start), batches, strict=True):
+        if self.decoder is not None:
+            self.decoder.cpu_decoded = 0
+        for item, idx in zip(self._decoded(batches, start), batches, strict=True):
+            x, ok = item[0], item[1]
+            if self.decoder is not None:
+                x, ok = self.decoder.finish(x, ok, item[2])
+                x = r.to_device(x)  # where the recipe runs, if not decoded there
             y = self.labels[idx]
             self._count_bad(ok, idx)
             batch = self.recipe_batch(x, y, torch.as_tensor(idx), ok, gen)
@@ -197,4 +234,5 @@ def make_loader(
         return StreamingLoader(
             split, batch_size, workers=workers, max_bad_fraction=max_bad_fraction, **kwargs
         )
+    kwargs.pop("decode_device", None)  # decoded once into memory: nothing to decode per pass
     return BatchLoader(split.images, split.labels, batch_size, **kwargs)

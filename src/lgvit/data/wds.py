@@ -50,6 +50,7 @@ from lgvit.core.atomic import atomic_write_json
 from lgvit.core.constants import IMAGENET_MEAN, IMAGENET_STD, MAX_CLASSES
 from lgvit.core.errors import LgvitError, refuse_deep_nesting
 from lgvit.data.decode import load_rgb
+from lgvit.data.device_decode import EncodedBatch, device_decoder
 from lgvit.data.loader import AugmentConfig, BatchRecipe, RecipeLoader, _seed
 from lgvit.data.segmentation import own_generator
 from lgvit.data.splits import DatasetSplits
@@ -535,6 +536,7 @@ class _Epoch:
     train: bool
     split: str = TRAIN_SPLIT
     counts_from: str | None = None  # ShardSet.counts_from
+    encoded: bool = False  # JPEGs left encoded for a device decoder (lgvit.data.device_decode)
 
     def __post_init__(self) -> None:
         counts = [self.counts[s] for s in self.order]
@@ -632,7 +634,8 @@ class _Cursor:
 
 class _ShardBatches(IterableDataset):
     """Worker ``w`` of ``n`` makes batches ``first + w``, ``first + w + n``, ... as
-    ``(x uint8 (B, 3, S, S), usable, canonical indices, labels, first bad or None, None)``;
+    ``(x uint8 (B, 3, S, S), usable, canonical indices, labels, first bad or None, None)``
+    (``encoded``: and the :class:`EncodedBatch`'s payload of the JPEGs left to the device);
     the DataLoader's round-robin over the workers then yields them in the rank's order. A
     shard that disagrees with its count ends the worker's batches with ``(..., its line)``:
     an exception would reach the main process as a multi-line traceback."""
@@ -685,17 +688,31 @@ class _ShardBatches(IterableDataset):
         ok = torch.zeros(b, dtype=torch.bool)
         idx, y = torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long)
         first_bad = None
+        enc = EncodedBatch(b) if e.encoded else None
         for i, (shard, j, key, data) in enumerate(samples):
             idx[i] = e.offsets[shard] + j
             try:
-                y[i], x[i] = self._sample(data, rng)
+                y[i], image = self._sample(data, rng, enc, i)
+                if image is not None:  # else the device decodes it
+                    x[i] = image
                 ok[i] = True
             except _Bad as bad:
                 first_bad = first_bad or f"{e.paths[shard]} sample {key}: {bad}"
-        return x, ok, idx, y, first_bad, None
+        done = (x, ok, idx, y, first_bad, None)
+        return done if enc is None else (*done, enc.payload())
 
-    def _sample(self, data: dict[str, bytes] | _Bad, rng: random.Random) -> tuple:
-        """(label, uint8 (3, S, S) image) of one sample's raw members."""
+    def _box(self, width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
+        """Train: the random-resized crop's box; eval: the whole image (center-cropped later)."""
+        a = self.e.crop
+        if not self.e.train:
+            return 0, 0, width, height
+        return random_resized_box(width, height, a.rrc_scale, a.rrc_ratio, rng)
+
+    def _sample(
+        self, data: dict[str, bytes] | _Bad, rng: random.Random, enc: EncodedBatch | None, i: int
+    ) -> tuple:
+        """(label, uint8 (3, S, S) image) of one sample's raw members (image None: a JPEG
+        left to the device decoder, sample ``i`` of ``enc``)."""
         if isinstance(data, _Bad):
             raise data
         e, a = self.e, self.e.crop
@@ -710,11 +727,13 @@ class _ShardBatches(IterableDataset):
         if not 0 <= label < e.num_classes:
             raise _Bad(f"label {label} is outside [0, {e.num_classes})")
         try:  # upright (EXIF orientation); too large or too thin images refused
+            if enc is not None and enc.add(i, image, lambda w, h: self._box(w, h, rng)):
+                return label, None
             rgb = load_rgb(io.BytesIO(image))  # type: ignore[arg-type]
         except Exception:  # PIL raises many types for damaged data
             raise _Bad("undecodable image") from None
         if e.train:  # the streaming folder's crop (lgvit.data.stream)
-            box = random_resized_box(*rgb.size, a.rrc_scale, a.rrc_ratio, rng)
+            box = self._box(*rgb.size, rng)
             rgb = rgb.resize((a.img_size,) * 2, Image.Resampling.BICUBIC, box=box)
             return label, torch.from_numpy(np.array(rgb, dtype=np.uint8)).permute(2, 0, 1)
         chw = torch.from_numpy(np.array(rgb, dtype=np.uint8)).permute(2, 0, 1)
@@ -729,7 +748,8 @@ class ShardLoader(RecipeLoader):
     missing from a truncated shard) are left out of their batch and counted per pass (``seen``,
     ``bad``, ``first_bad``); more than ``max_bad_fraction`` of the samples read (of at least
     100) is one line. Train: the rank's last partial batch is dropped (fewer than
-    ``batch_size`` samples per rank per epoch). ``shuffle``: samples per shuffle window. The
+    ``batch_size`` samples per rank per epoch). ``shuffle``: samples per shuffle window.
+    ``decode_device``: JPEGs decoded and cropped there (:mod:`lgvit.data.device_decode`). The
     engine's loader contract (:class:`lgvit.data.protocol.TrainLoader`)."""
 
     def __init__(
@@ -741,6 +761,7 @@ class ShardLoader(RecipeLoader):
         max_bad_fraction: float = 0.05,
         aug: AugmentConfig | None = None,
         shuffle: int = SHUFFLE,
+        decode_device: torch.device | str | None = None,
         **kwargs: Any,
     ) -> None:
         repeats = kwargs.pop("repeated_aug", 1)
@@ -757,6 +778,7 @@ class ShardLoader(RecipeLoader):
         self.max_bad_fraction = max_bad_fraction
         self.seen = self.bad = 0
         self.first_bad: str | None = None
+        self.decoder = device_decoder(decode_device, self.crop, self.recipe.train)
 
     def rank_range(self) -> tuple[int, int]:
         """(first stream position, samples) of this rank's range in the epoch's stream."""
@@ -778,7 +800,7 @@ class ShardLoader(RecipeLoader):
         return _Epoch(
             sp.paths, sp.counts, [int(s) for s in order], start, bounds, window, first,
             _seed(r.seed, r.epoch, r.rank, 6), r.num_classes, sp.input_keys, sp.target_key,
-            self.crop, r.train, sp.split, sp.counts_from,
+            self.crop, r.train, sp.split, sp.counts_from, self.decoder is not None,
         )  # fmt: skip
 
     def _count_bad(self, ok: torch.Tensor, first_bad: str | None) -> None:
@@ -794,6 +816,19 @@ class ShardLoader(RecipeLoader):
                     f"{self.first_bad}"
                 )
 
+    def _on_device(
+        self, x: torch.Tensor, ok: torch.Tensor, idx: torch.Tensor, first_bad: str | None,
+        payload: tuple[torch.Tensor, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor, str | None]:  # fmt: skip
+        """The batch's JPEGs decoded by the device decoder; one it cannot read is bad."""
+        assert self.decoder is not None
+        was = ok.clone()
+        x, ok = self.decoder.finish(x, ok, payload)
+        lost = (was & ~ok).nonzero().flatten().tolist()
+        if lost and first_bad is None:
+            first_bad = f"{self.split.name(int(idx[lost[0]]))}: undecodable image"
+        return self.recipe.to_device(x), ok, first_bad
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         r = self.recipe
         start, gen = r.pass_start()  # mid-epoch resume: its batches are neither read nor made
@@ -803,9 +838,13 @@ class ShardLoader(RecipeLoader):
             _ShardBatches(self.epoch_plan(start)), batch_size=None, num_workers=self.workers,
             pin_memory=r.device.type == "cuda", generator=own_generator(),
         )  # fmt: skip
-        for x, ok, idx, y, first_bad, mismatch in batches:
+        if self.decoder is not None:
+            self.decoder.cpu_decoded = 0
+        for x, ok, idx, y, first_bad, mismatch, *encoded in batches:
             if mismatch is not None:
                 raise LgvitError(mismatch)
+            if encoded:
+                x, ok, first_bad = self._on_device(x, ok, idx, first_bad, encoded[0])
             self._count_bad(ok, first_bad)
             batch = self.recipe_batch(x, y, idx, ok, gen)
             if batch is not None:

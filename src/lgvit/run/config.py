@@ -32,6 +32,7 @@ from lgvit.core.errors import LgvitError, first_line
 from lgvit.core.runtime import AMP_MODES
 from lgvit.data.coco import COCO_DATASETS, DET_SCALE
 from lgvit.data.datasets import DATASETS, SOURCES
+from lgvit.data.device_decode import DECODE_DEVICES
 from lgvit.data.recipe import DEIT_RECIPE as _R
 from lgvit.data.recipe import RE_MODES, TRAIN_CROPS
 from lgvit.data.segmentation import SEG_DATASETS, SEG_SCALE
@@ -162,6 +163,9 @@ class TrainConfig:
     grad_checkpointing: bool = False  # recompute block activations in backward (less memory)
     seed: int = 0  # data order, augmentation and initialisation
     workers: int = 2  # decoding processes when an image folder streams from its files
+    # none | cuda | cpu: a streamed split's JPEGs decoded and cropped there, not by PIL in the
+    # workers (lgvit.data.device_decode); in-memory splits are decoded once, unaffected
+    decode_device: str = "none"
     out: str = "runs/default"  # run directory: config, metrics.jsonl, checkpoints, train.log
     resume: str | None = None  # None | 'auto' (the last checkpoint in out) | a checkpoint
     initial_checkpoint: str | None = None  # start from these weights (fine-tuning), fresh run
@@ -674,6 +678,7 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
     choice("eval_tta", TTA_MODES)
     choice("amp", AMP_MODES)
     choice("device", ("auto", "cpu", "cuda"))
+    choice("decode_device", DECODE_DEVICES)
     choice("train_crop", TRAIN_CROPS)
     choice("remode", RE_MODES)
     if not cfg.model:

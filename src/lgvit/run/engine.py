@@ -44,6 +44,7 @@ from lgvit.core.runtime import (
     seed_everything,
     set_numerics,
 )
+from lgvit.data.device_decode import cpu_decoded_in_pass
 from lgvit.data.protocol import Loader, TrainLoader, check_loaders, skipped_in_pass, skipped_text
 from lgvit.inference import initial_weights_file
 from lgvit.models.download import random_state_kept
@@ -591,6 +592,7 @@ def _epoch(run: Run, epoch: int, pos: _Position, t_start: float) -> bool:
     train_loss, seen, pos.step = train_one_epoch(run, epoch, pos.step, pos.in_epoch)
     pos.in_epoch = None
     skipped = skipped_in_pass(run.prepared.train_loader, run.d)
+    on_cpu = cpu_decoded_in_pass(run.prepared.train_loader, run.d)  # --decode-device's fallback
     train_time = time.time() - t0
     last = epoch + 1 == run.epochs
     metrics: dict[str, Any] = {
@@ -600,6 +602,7 @@ def _epoch(run: Run, epoch: int, pos: _Position, t_start: float) -> bool:
         "img_per_s": round((seen - done_before * run.d.world_size) / train_time, 2),
         **run.task.epoch_info(epoch),
         **({"train_skipped": skipped[0]} if skipped is not None else {}),
+        **({"train_cpu_decoded": on_cpu} if on_cpu is not None else {}),
     }
     evaluated = last or (epoch + 1) % cfg.eval_every == 0
     saving = last or ctl.signum or (epoch + 1) % cfg.save_every == 0
@@ -617,7 +620,8 @@ def _epoch(run: Run, epoch: int, pos: _Position, t_start: float) -> bool:
     tested = f", {tested}" if tested else ""
     run.log(
         f"epoch {epoch + 1}/{run.epochs}{at_size}: train loss {train_loss:.4f}"
-        f"{skipped_text(skipped, ' sample(s)')}{tested}, "
+        f"{skipped_text(skipped, ' sample(s)')}{tested}"
+        f"{f', {on_cpu} decoded by PIL (not JPEG)' if on_cpu else ''}, "
         f"{metrics['img_per_s']:.0f} img/s, {metrics['epoch_time_s']:.1f}s{eta}"
     )
     run.last_metrics = metrics

@@ -21,6 +21,7 @@ from lgvit.checkpoints.record import CheckpointRecord
 from lgvit.core.errors import LgvitError, first_line
 from lgvit.core.runtime import Dist, autocast, barrier
 from lgvit.data.datasets import DatasetSplits, load_dataset
+from lgvit.data.device_decode import decode_device
 from lgvit.data.loader import AugmentConfig
 from lgvit.data.splits import splits_on_device
 from lgvit.data.stream import make_loader
@@ -162,6 +163,7 @@ class ClassificationTask:
     def prepare(self, cfg: TrainConfig, d: Dist) -> Prepared:
         """The model (built and size-checked before any data loads), the data, the loaders."""
         self.cfg = cfg
+        decode_on = decode_device(cfg.decode_device, d.device)  # no CUDA: one line, first
         model, self.img_size = build_model(cfg, num_classes=cfg.num_classes or 1)
         splits = build_data(cfg, self.img_size, d)
         if cfg.data_on_device:
@@ -172,7 +174,7 @@ class ClassificationTask:
         common = dict(
             num_classes=num_classes, aug=augment_config(cfg, self.img_size, splits),
             seed=cfg.seed, rank=d.rank, world_size=d.world_size, device=d.device,
-            workers=cfg.workers, max_bad_fraction=cfg.max_bad_fraction,
+            workers=cfg.workers, max_bad_fraction=cfg.max_bad_fraction, decode_device=decode_on,
         )  # fmt: skip
         train_loader = make_loader(
             splits.train, cfg.batch_size, train=True, repeated_aug=cfg.repeated_aug, **common
