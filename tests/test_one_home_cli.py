@@ -14,7 +14,7 @@ from lgvit import tasks
 from lgvit.checkpoints import kinds
 from lgvit.cli import build_parser, main
 from lgvit.core.errors import LgvitError
-from lgvit.core.runtime import AMP_MODES, resolve_amp
+from lgvit.core.runtime import AMP_MODES, COMPILE_MODES, resolve_amp
 from lgvit.run import config
 from lgvit.tools import bench, export, plot, scaling, viz
 
@@ -24,13 +24,14 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "lgvit"
 # test_every_choices_flag_reads_its_owner: a new flag names its owner in this table.
 OWNERS: dict[tuple[str, str], tuple[str, ...]] = {
     ("bench", "amp"): AMP_MODES,
-    ("bench", "compile"): bench.COMPILE_MODES,
+    ("bench", "compile"): COMPILE_MODES,
     ("bench", "scaling"): scaling.STUDY_NAMES,
     ("export", "format"): export.FORMATS,
     ("train", "task"): tasks.TASK_NAMES,
     ("train", "detector"): kinds.DETECTORS,
     ("train", "data"): tasks.ALL_DATASETS,
     ("train", "amp"): AMP_MODES,
+    ("train", "compile"): COMPILE_MODES,
     ("eval", "data"): tasks.ALL_DATASETS,
     ("eval", "amp"): AMP_MODES,
     ("eval", "tta"): tasks.TTA_MODES,
@@ -75,17 +76,18 @@ def test_the_config_and_the_tasks_read_the_same_lists():
         assert t.eval_tta == tasks.TTA_MODES[: len(t.eval_tta)], t.name
 
 
-# Each list -> the one module that may spell it (or a part of it) out as a literal.
-LISTS = {
-    "lgvit/core/runtime.py": AMP_MODES,
-    "lgvit/tasks/__init__.py": tasks.TTA_MODES,
-    "lgvit/tools/export.py": export.FORMATS,
-    "lgvit/tools/viz.py": viz.KINDS,
-    "lgvit/tools/bench.py": bench.FORMATS,
-    "lgvit/tools/plot.py": plot.FORMATS,
-    "lgvit/tools/scaling.py": scaling.STUDY_NAMES,
-    "lgvit/checkpoints/kinds.py": kinds.DETECTORS,
-}
+# Each list and the one module that may spell it (or a part of it) out as a literal.
+LISTS = (
+    ("lgvit/core/runtime.py", AMP_MODES),
+    ("lgvit/core/runtime.py", COMPILE_MODES),
+    ("lgvit/tasks/__init__.py", tasks.TTA_MODES),
+    ("lgvit/tools/export.py", export.FORMATS),
+    ("lgvit/tools/viz.py", viz.KINDS),
+    ("lgvit/tools/bench.py", bench.FORMATS),
+    ("lgvit/tools/plot.py", plot.FORMATS),
+    ("lgvit/tools/scaling.py", scaling.STUDY_NAMES),
+    ("lgvit/checkpoints/kinds.py", kinds.DETECTORS),
+)
 
 
 def _string_literals(tree: ast.AST) -> list[tuple[int, set[str]]]:
@@ -105,7 +107,7 @@ def test_no_list_is_retyped_anywhere_in_the_source():
     for path in sorted(SRC.rglob("*.py")):
         where = path.relative_to(SRC.parent).as_posix()
         for line, values in _string_literals(ast.parse(path.read_text())):
-            for owner, names in LISTS.items():
+            for owner, names in LISTS:
                 if owner != where and values <= set(names):
                     retyped.append(f"{where}:{line} retypes {owner}'s {names}")
     assert not retyped, retyped

@@ -17,7 +17,7 @@ from typing import Any
 
 from lgvit.checkpoints.kinds import DETECTORS
 from lgvit.core.errors import LgvitError
-from lgvit.core.runtime import AMP_MODES
+from lgvit.core.runtime import AMP_MODES, COMPILE_MODES
 from lgvit.run.config import OPTIMIZERS, SCHEDULES, TrainConfig
 from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES
 from lgvit.tasks.flags import add_task_flags
@@ -139,7 +139,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         "img_size": args.img_size, "epochs": args.epochs, "iters": args.iters,
         "batch_size": args.batch_size,
         "out": args.out, "resume": args.resume, "amp": args.amp,
-        "compile": True if args.compile else None, "seed": args.seed,
+        "compile": args.compile, "seed": args.seed,
         "channels_last": True if args.channels_last else None,
         "ema": True if args.model_ema else None,
     }  # fmt: skip
@@ -307,7 +307,7 @@ def _add_info(sub: Any) -> None:
 
 
 def _add_bench(sub: Any) -> None:
-    from lgvit.tools.bench import AUTO, COMPILE_MODES, DEFAULT_BATCH, FORMATS, BenchOptions
+    from lgvit.tools.bench import AUTO, DEFAULT_BATCH, FORMATS, BenchOptions
     from lgvit.tools.bench import __doc__ as bench_doc
     from lgvit.tools.scaling import STUDY_NAMES
 
@@ -439,7 +439,10 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--resume", help="'auto' (the last checkpoint in --out) or a checkpoint")
     add_amp(p, None, "mixed precision")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--compile", nargs="?", const=COMPILE_MODES[0], choices=COMPILE_MODES,
+                   metavar="MODE", help="torch.compile the model once, in MODE: "
+                   f"{_one_of(COMPILE_MODES)} (bare: {COMPILE_MODES[0]}); a graph per input "
+                   "size, each logged")  # fmt: skip
     p.add_argument("--channels-last", action="store_true",
                    help="model and batches in the NHWC memory format (timm's flag)")  # fmt: skip
     p.add_argument("--seed", type=int)

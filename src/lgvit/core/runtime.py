@@ -134,6 +134,9 @@ def warn_if_bf16_emulated(device: torch.device) -> None:
 
 # The precisions every --amp flag and the config's ``amp`` take (resolve_amp reads them).
 AMP_MODES = ("auto", "bf16", "fp16", "none")
+# The torch.compile modes `lgvit bench --compile` and `lgvit train --compile` (the config's
+# ``compile``) take; reduce-overhead runs CUDA graphs (on CUDA only).
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
 
 
 def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:

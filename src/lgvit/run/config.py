@@ -29,7 +29,7 @@ from lgvit.checkpoints.kinds import DETECTORS
 from lgvit.core.atomic import atomic_write_bytes
 from lgvit.core.constants import CROP_PCT, MAX_DENSE_SCALE
 from lgvit.core.errors import LgvitError, first_line
-from lgvit.core.runtime import AMP_MODES
+from lgvit.core.runtime import AMP_MODES, COMPILE_MODES
 from lgvit.data.coco import COCO_DATASETS, DET_SCALE
 from lgvit.data.datasets import DATASETS, SOURCES
 from lgvit.data.device_decode import DECODE_DEVICES
@@ -155,7 +155,7 @@ class TrainConfig:
     # run
     device: str = "auto"  # auto (CUDA when there is one) | cpu | cuda
     amp: str = "auto"  # auto | bf16 | fp16 | none: mixed precision (auto: bf16 where supported)
-    compile: bool = False  # torch.compile the model
+    compile: bool | str = False  # torch.compile the model: false, true (default mode) or a mode
     channels_last: bool = False  # model and batches in NHWC (measure first: lgvit bench)
     tf32: bool = True  # CUDA: fp32 matmuls and convolutions in TF32 (timm's choice); false: IEEE
     # deterministic CUDA kernels (cuBLAS workspace, no cuDNN autotuning): exact reruns, slower
@@ -224,7 +224,8 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
 
 
 def _describe(tp: Any, optional: bool) -> str:
-    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+             bool | str: "true, false or a name"}  # fmt: skip
     if typing.get_origin(tp) is tuple:
         args = typing.get_args(tp)
         what = "names" if args[0] is str else "numbers"
@@ -235,6 +236,10 @@ def _describe(tp: Any, optional: bool) -> str:
 
 
 def _coerce_scalar(value: Any, tp: Any, raw: str | None) -> Any:
+    if tp == bool | str:  # compile: true, false or a mode's name (validated later)
+        if isinstance(value, bool | str):
+            return value
+        raise _Bad
     if tp is str:
         if isinstance(value, str):
             return value
@@ -677,6 +682,8 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
     choice("sched", SCHEDULES)
     choice("eval_tta", TTA_MODES)
     choice("amp", AMP_MODES)
+    if cfg.compile not in (False, True, *COMPILE_MODES):
+        fail("compile", f"must be true, false or a mode: {', '.join(COMPILE_MODES)}")
     choice("device", ("auto", "cpu", "cuda"))
     choice("decode_device", DECODE_DEVICES)
     choice("train_crop", TRAIN_CROPS)

@@ -48,6 +48,7 @@ from lgvit.data.device_decode import cpu_decoded_in_pass
 from lgvit.data.protocol import Loader, TrainLoader, check_loaders, skipped_in_pass, skipped_text
 from lgvit.inference import initial_weights_file
 from lgvit.models.download import random_state_kept
+from lgvit.run.compiled import compile_net
 from lgvit.run.config import TrainConfig, config_to_dict, save_config, scaled_lr
 from lgvit.run.kept import keep_epoch, kept_score
 from lgvit.run.loggers import RunLoggers, check_loggers, epoch_scalars
@@ -535,7 +536,7 @@ def _start(
     opt = _optimisation(cfg, task, prepared, d, amp)
     if stem is None:
         warn_long_warmup(cfg, opt.schedule)
-    net = _wrap(model, cfg, d)
+    net = _wrap(model, cfg, d, task, log)
     clock_start = state["global_step"] if state is not None else 0
     clock = RunClock(total_steps(cfg, spe), clock_start, spe, task.epoch_cost)
     run = Run(cfg, task, d, out, log, ctl, prepared, amp, opt, net, clock)
@@ -548,13 +549,16 @@ def _start(
     return run, pos
 
 
-def _wrap(model: nn.Module, cfg: TrainConfig, d: Dist) -> nn.Module:
+def _wrap(model: nn.Module, cfg: TrainConfig, d: Dist, task: Task, log: RunLog) -> nn.Module:
+    """DDP, then ``torch.compile`` (:mod:`lgvit.run.compiled`: a task that counts its input
+    shapes, ``compiled_graphs``, gets one static graph per shape)."""
     net: nn.Module = model
     if d.world_size > 1:
         net = nn.parallel.DistributedDataParallel(
             model, device_ids=[d.device.index] if d.device.type == "cuda" else None
         )
-    return torch.compile(net) if cfg.compile else net
+    graphs = getattr(task, "compiled_graphs", None)
+    return compile_net(net, cfg.compile, d.device, graphs() if graphs else None, log)
 
 
 def _evaluate(run: Run, metrics: dict[str, Any]) -> tuple[bool, str]:

@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 
 from lgvit.core.errors import LgvitError
+from lgvit.core.runtime import COMPILE_MODES
 from lgvit.models import create_model, get_model_config, is_model, list_models
 from lgvit.tools.measure import (
     StepTiming,
@@ -69,7 +70,6 @@ FORMATS = ("table", "markdown", "csv", "json")
 AUTO = "auto"  # --batch-size auto
 AUTO_GAIN = 0.05  # the sweep stops where doubling the batch gains less than this in img/s
 AUTO_MAX_BATCH = 8192  # nor past this (a bound on the sweep's time on a large GPU)
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
 BUSY_STEPS = 3  # steps of the profiler pass on CUDA (one on the CPU, where a step is long)
 
 

@@ -235,6 +235,19 @@ class ClassificationTask:
             return {}
         return {"train_size": train_size_at(epoch, self.cfg, self.img_size)}
 
+    def train_sizes(self) -> list[int]:
+        """The run's training input sizes (progressive resizing's schedule; the full size too:
+        an iteration budget may run past ``epochs``), smallest first."""
+        cfg = self.cfg
+        return sorted({train_size_at(e, cfg, self.img_size) for e in range(cfg.epochs)}
+                      | {self.img_size})  # fmt: skip
+
+    def compiled_graphs(self) -> int:
+        """The input shapes a compiled run feeds the model, a graph each (the engine's
+        ``--compile``): one per training size (the last, partial batch is dropped), and
+        evaluation's full batch and its last, smaller one."""
+        return len(self.train_sizes()) + 2
+
     def epoch_cost(self, epoch: int) -> float:
         # Progressive resizing's small epochs are cheaper: cost ~ (size ratio)^1.5, between the
         # MLPs' linear and attention's quadratic growth in tokens. Measured: lsa_micro_cifar's
