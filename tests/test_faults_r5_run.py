@@ -14,23 +14,15 @@ import socket
 import subprocess
 import sys
 import types
-import warnings
 
 import pytest
 import torch
-from test_train import ENV, FAST
+from test_faults_r4_run import SYN, _train
+from test_train import ENV
 
 from lgvit.checkpoints.files import load_metadata
 from lgvit.cli import main
 from lgvit.run.kept import KEPT_DIR, KEPT_INDEX
-
-SYN = ["train", *FAST, "--data", "synthetic", "--amp", "none"]
-
-
-def _train(args: list[str]) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a warm-up as long as a 2-step run
-        assert main(args) == 0
 
 
 @pytest.fixture(scope="module")
