@@ -17,7 +17,7 @@ import types
 
 import pytest
 import torch
-from test_faults_r4_run import SYN, _train
+from test_faults_r4_run import SYN, _one_line, _train
 from test_train import ENV
 
 from lgvit.checkpoints.files import load_metadata
@@ -44,15 +44,6 @@ def _lgvit(
         [sys.executable, "-m", "lgvit", *args],
         capture_output=True, text=True, env=env or ENV, cwd=cwd, timeout=timeout,
     )  # fmt: skip
-
-
-def _one_line(capsys, code: int, *needles: str) -> str:
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1, (code, out[-2000:], err[-2000:])
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
 
 
 # ------------------------------------------------------------ 1: average over its own inputs

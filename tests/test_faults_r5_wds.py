@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_faults_r4_run import _one_line as one_line
 from test_train import FAST
 from test_wds import _image, write_shard, write_split
 
@@ -73,14 +74,6 @@ def evaluate(ckpt: Path, root: Path | str, tmp_path: Path, *extra: str) -> list[
     return ["eval", "--checkpoint", str(ckpt), "--model", "lsa_micro_cifar", "--img-size", "16",
             "--data", "wds", "--data-dir", str(root), "--cache-dir", str(tmp_path / "cache"),
             "-j", "1", *extra]  # fmt: skip
-
-
-def one_line(capsys: pytest.CaptureFixture, code: int, *needles: str) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1, (code, err)
-    for n in needles:
-        assert n in err[0], err[0]
-    return err[0]
 
 
 # ----------------------------------------- item 2: _info.json's counts against the shards
