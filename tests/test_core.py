@@ -226,6 +226,37 @@ def test_window_attention_matches_per_window_reference_and_caches_mask():
     assert att._mask((H, W), x.device) is att._mask((H, W), x.device)  # built once
 
 
+def test_masks_and_bias_indices_are_built_once_per_grid(monkeypatch):
+    # Swin's shift mask and a relative-position index of another grid (LIT's whole-map bias
+    # at another input size): built once for two forwards, the outputs as when rebuilt.
+    import lgvit.models.layers.attention as attention
+    import lgvit.models.layers.window as window
+
+    built = {"mask": 0, "index": 0}
+
+    def spy(name, fn):
+        def counted(*args):
+            built[name] += 1
+            return fn(*args)
+
+        return counted
+
+    torch.manual_seed(0)
+    win = WindowAttention(8, 2, window=4, shift=2).eval()
+    glob = Attention(8, 2, rel_pos_grid=(3, 4)).eval()
+    x, y = torch.randn(2, 64, 8), torch.randn(2, 20, 8)
+    want = win(x, (8, 8)), glob(y, (4, 5))  # rebuilt: a fresh module's first call
+    win._masks.clear(), glob.rel_pos._indices.clear()
+    monkeypatch.setattr(window, "shifted_window_mask", spy("mask", window.shifted_window_mask))
+    monkeypatch.setattr(
+        attention, "relative_position_index", spy("index", attention.relative_position_index)
+    )
+    for _ in range(2):
+        assert torch.equal(win(x, (8, 8)), want[0]) and torch.equal(glob(y, (4, 5)), want[1])
+    assert built == {"mask": 1, "index": 1}
+    assert not any("_indices" in k or "_masks" in k for k in glob.state_dict())
+
+
 def test_a_mask_per_window_repeats_over_the_images_in_every_attention_path():
     # Swin hands one mask per window (P, 1, N, N) for B = images x P windows, image-major.
     from lgvit.models.layers.attention import attention_probs, multihead_sdpa, per_sample_mask

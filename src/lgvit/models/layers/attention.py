@@ -15,7 +15,12 @@ import torch.nn.functional as F
 
 from lgvit.core.runtime import cpu_bf16_support
 from lgvit.models.layers.helpers import Grid, to_2tuple, tokens_to_map
-from lgvit.models.layers.pos_embed import grid_differs, grid_of_rel_table, resize_rel_pos_table
+from lgvit.models.layers.pos_embed import (
+    grid_differs,
+    grid_of_rel_table,
+    is_symbolic,
+    resize_rel_pos_table,
+)
 from lgvit.models.layers.weight_init import trunc_normal_
 
 LN_EPS = 1e-6  # DeiT / the LSA authors' LayerNorm epsilon
@@ -73,8 +78,8 @@ def multihead_sdpa(
             attn_mask = attn_mask.to(q.dtype)
         x = _explicit_attention(q, k, v, attn_mask, dropout_p, scale)
     else:
-        if attn_mask is not None:
-            attn_mask = per_sample_mask(attn_mask, B).to(q.dtype)
+        if attn_mask is not None:  # cast before the copy per sample: one small cast
+            attn_mask = per_sample_mask(attn_mask.to(q.dtype), B)
         x = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
         )
@@ -200,6 +205,9 @@ class RelativePositionBias(nn.Module):
         )
         trunc_normal_(self.relative_position_bias_table, std=0.02)
         self.register_buffer("relative_position_index", relative_position_index(H, W), False)
+        # (grid, device, inference mode) -> the index of another grid, built once, not on
+        # every call (on the host, then copied to the device); not part of the state dict
+        self._indices: dict[tuple, torch.Tensor] = {}
         self._register_load_state_dict_pre_hook(self._resize_on_load)
 
     def _resize_on_load(self, state_dict: dict, prefix: str, *args: object) -> None:
@@ -216,19 +224,38 @@ class RelativePositionBias(nn.Module):
         """``(heads, N, N)`` bias for the built grid, or for ``hw`` (another input size): then
         the table is resized, bicubic, on the fly."""
         table, index = self.relative_position_bias_table, self.relative_position_index
-        return relative_bias(table, index, self.grid, hw)
+        return relative_bias(table, index, self.grid, hw, self._indices)
 
 
 def relative_bias(
-    table: torch.Tensor, index: torch.Tensor, built: Grid, hw: Grid | None
+    table: torch.Tensor,
+    index: torch.Tensor,
+    built: Grid,
+    hw: Grid | None,
+    indices: dict[tuple, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:meth:`RelativePositionBias.forward`: ``(heads, N, N)`` from the table built for the
-    ``built`` grid, resized when ``hw`` differs."""
+    ``built`` grid, resized when ``hw`` differs (its index kept in ``indices``)."""
     if hw is not None and grid_differs(hw, built):
         table = resize_rel_pos_table(table, built, hw)
-        index = relative_position_index(*hw).to(table.device)
+        index = _grid_index(hw, table.device, indices)
     n = index.shape[0]
     return table[index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+
+
+def _grid_index(
+    hw: Grid, device: torch.device, indices: dict[tuple, torch.Tensor] | None
+) -> torch.Tensor:
+    """:func:`relative_position_index` of ``hw`` on ``device``, built once per grid. Built in
+    the graph under torch.compile (a cache entry added while tracing) and for a symbolic grid;
+    one entry per inference mode: autograd may not save an inference tensor (the gather's
+    backward saves the index)."""
+    if indices is None or is_symbolic(hw) or torch.compiler.is_compiling():
+        return relative_position_index(*hw).to(device)
+    key = (tuple(hw), str(device), torch.is_inference_mode_enabled())
+    if key not in indices:
+        indices[key] = relative_position_index(*hw).to(device)
+    return indices[key]
 
 
 def relative_position_index(H: int, W: int) -> torch.Tensor:
