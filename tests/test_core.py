@@ -338,6 +338,52 @@ def test_drop_path_zeroes_whole_samples_and_scales_the_rest_by_exactly_one_over_
     assert drop_path(x, 0.1, training=False) is x
 
 
+def _unfused_block(blk, x, hw=None):
+    """The block as lgvit wrote it before the fused residual: ``x + drop_path(branch)``."""
+    if blk.attn is not None:
+        x = x + blk.drop_path1(blk.attn(blk.norm1(x), hw))
+    return x + blk.drop_path2(blk.mlp(blk.norm2(x), hw))
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_fused_residual_and_drop_path_equal_the_unfused_form(train, amp):
+    # The same random draws (one seed), the same outputs and gradients, train and eval, in
+    # float32 and under bf16 autocast (there the residual stream stays float32).
+    from lgvit.models.layers import residual_add
+
+    torch.manual_seed(0)
+    blk = Block(16, 2, drop_path=0.5).train(train)
+    x0 = torch.randn(8, 5, 16)
+    outs, grads = [], []
+    for form in (blk.forward, lambda x: _unfused_block(blk, x)):
+        x = x0.clone().requires_grad_()
+        blk.zero_grad()
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None):
+            out = form(x)
+        assert out.dtype == torch.float32
+        out.square().sum().backward()
+        outs.append(out)
+        grads.append([x.grad, *(p.grad for p in blk.parameters())])
+    # bf16: the unfused form rounded the scaled branch to bf16 (x * mask / keep); the fused
+    # one scales in float32
+    tol = {} if amp is None else dict(rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(outs[0], outs[1], **tol)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    with torch.no_grad():  # training: the drop path acted (equal outputs: the same draws)
+        plain = _unfused_block(blk.eval(), x0)
+    assert train != torch.allclose(outs[0], plain, rtol=0.05, atol=0.05)
+    y = torch.randn(8, 5, 16, dtype=torch.bfloat16)
+    torch.manual_seed(2)
+    fused = residual_add(x0, y, 0.5, True)
+    torch.manual_seed(2)
+    mask = torch.empty(8, 1, 1, dtype=torch.bfloat16).bernoulli_(0.5)  # drawn as drop_path does
+    torch.testing.assert_close(fused, x0 + y.float() * mask.float() / 0.5)  # exact scale
+    assert fused.dtype == torch.float32 and torch.equal(residual_add(x0, y, 0.5, False), x0 + y)
+
+
 class _BatchNormBlock(nn.Module):
     """A block with BatchNorm inside, called (x, hw) like every block."""
 

@@ -303,8 +303,8 @@ class LocalShiftBlock(Block):
         self, x: torch.Tensor, variants: torch.Tensor | ShiftedVariants, hw: Grid
     ) -> torch.Tensor:
         # LN is per token, so norm1(x) is exactly variant 0 of norm1(variants).
-        x = x + self.drop_path1(self.attn(self.norm1(x), variants, self.norm1))
-        return x + self.drop_path2(self.mlp(self.norm2(x), hw))
+        x = self.residual(x, self.attn(self.norm1(x), variants, self.norm1), self.drop_path1)
+        return self.residual(x, self.mlp(self.norm2(x), hw), self.drop_path2)
 
 
 # ---------------------------------------------------------------------------------------------
