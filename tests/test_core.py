@@ -54,6 +54,32 @@ def _reference_attention(q, k, v, heads, bias=None):
     return (a.softmax(-1) @ v).transpose(1, 2).reshape(B, N, C)
 
 
+def _q_kv(att, x):
+    """An attention's queries and keys/values of ``x``, as two matmuls from its weights: the
+    fused ``qkv``'s rows are q's, then kv's (the layout lgvit stored as ``q`` and ``kv``)."""
+    if not att.fused:
+        return att.q(x), att.kv(x)
+    c = att.num_heads * att.head_dim
+    w, b = att.qkv.weight, att.qkv.bias
+    return F.linear(x, w[:c], None if b is None else b[:c]), F.linear(
+        x, w[c:], None if b is None else b[c:]
+    )
+
+
+def _old_layout(model):
+    """``model``'s state dict as lgvit wrote it before the fused projection: every attention's
+    ``qkv`` as ``q`` (its first num_heads * head_dim rows) and ``kv`` (the rest)."""
+    out = dict(model.state_dict())
+    for name, m in model.named_modules():
+        if isinstance(m, Attention) and m.fused:
+            for part in ("weight", "bias"):
+                fused = out.pop(f"{name}.qkv.{part}", None)
+                if fused is not None:
+                    c = m.num_heads * m.head_dim
+                    out[f"{name}.q.{part}"], out[f"{name}.kv.{part}"] = fused[:c], fused[c:]
+    return out
+
+
 # ------------------------------------------------------------------------------ layers
 
 
@@ -84,33 +110,81 @@ def test_relative_position_bias_matches_explicit_offsets():
             torch.testing.assert_close(bias[:, i, j], table[row])
     att = Attention(8, heads, rel_pos_grid=(H, W)).eval()
     x = torch.randn(2, H * W, 8)
-    k, v = att.kv(x).split(8, dim=-1)
-    ref = att.proj(_reference_attention(att.q(x), k, v, heads, att.rel_pos()))
+    q, kv = _q_kv(att, x)
+    k, v = kv.split(8, dim=-1)
+    ref = att.proj(_reference_attention(q, k, v, heads, att.rel_pos()))
     torch.testing.assert_close(att(x, (H, W)), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_fused_query_key_value_matmul_equals_separate_projections():
-    # One matmul over the concatenated q and kv weights (grouped heads: kv narrower than q);
-    # the parameters and their gradients stay those of q and kv.
+def test_fused_query_key_value_projection_equals_separate_projections():
+    # One stored qkv Linear (grouped heads: kv narrower than q) against the two projections
+    # lgvit stored before (q, then kv, each its own matmul): the same outputs, and the fused
+    # weight's gradient is the separate weights' gradients stacked.
     torch.manual_seed(0)
     att = Attention(12, 6, kv_heads=2).double()
+    assert att.fused and not hasattr(att, "q") and att.qkv.weight.shape == (12 + 8, 12)
     x = torch.randn(2, 5, 12, dtype=torch.float64)
-    grads = []
-    for fused in (True, False):
-        att.fuse_qkv = fused
-        att.zero_grad()
-        out = att(x)
-        out.square().sum().backward()
-        grads.append([p.grad.clone() for p in (att.q.weight, att.kv.weight, att.kv.bias)])
-        if fused:
-            k, v = (
-                t.view(2, 5, 2, 2).repeat_interleave(3, 2).reshape(2, 5, 12)
-                for t in att.kv(x).split(4, dim=-1)
-            )  # query head h reads kv head h // 3
-            ref = att.proj(_reference_attention(att.q(x), k, v, 6))
-            torch.testing.assert_close(out, ref)
-    for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a, b)
+    out = att(x)
+    out.square().sum().backward()
+    wq, wkv = (t.detach().clone().requires_grad_() for t in att.qkv.weight.split([12, 8]))
+    bq, bkv = (t.detach().clone().requires_grad_() for t in att.qkv.bias.split([12, 8]))
+    k, v = (
+        t.view(2, 5, 2, 2).repeat_interleave(3, 2).reshape(2, 5, 12)
+        for t in F.linear(x, wkv, bkv).split(4, dim=-1)
+    )  # query head h reads kv head h // 3
+    ref = att.proj(_reference_attention(F.linear(x, wq, bq), k, v, 6))
+    torch.testing.assert_close(out, ref)
+    ref.square().sum().backward()
+    torch.testing.assert_close(att.qkv.weight.grad, torch.cat([wq.grad, wkv.grad]))
+    torch.testing.assert_close(att.qkv.bias.grad, torch.cat([bq.grad, bkv.grad]))
+
+
+def test_either_qkv_layout_loads_into_either_attention():
+    # The load hook: lgvit's older q + kv into the fused qkv, and a fused qkv (timm's, the
+    # authors') into spatial-reduction attention, which keeps q and kv (other tokens).
+    torch.manual_seed(0)
+    fused, reduced = Attention(12, 6, kv_heads=2), Attention(12, 6, kv_heads=2, sr_ratio=2)
+    assert not reduced.fused and not hasattr(reduced, "qkv")
+    sd = fused.state_dict()
+    old = {k: v for k, v in sd.items() if not k.startswith("qkv.")}
+    for part in ("weight", "bias"):
+        old[f"q.{part}"], old[f"kv.{part}"] = sd[f"qkv.{part}"].split([12, 8])
+    again = Attention(12, 6, kv_heads=2)
+    again.load_state_dict(old)
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in sd.items())
+    theirs = {k: v for k, v in reduced.state_dict().items() if k[:2] not in ("q.", "kv")}
+    reduced.load_state_dict({**theirs, "qkv.weight": sd["qkv.weight"], "qkv.bias": sd["qkv.bias"]})
+    assert torch.equal(torch.cat([reduced.q.weight, reduced.kv.weight]), sd["qkv.weight"])
+    assert torch.equal(torch.cat([reduced.q.bias, reduced.kv.bias]), sd["qkv.bias"])
+
+
+@pytest.mark.parametrize(
+    "name,kwargs",
+    [
+        ("deit_tiny", {"img_size": 32}),
+        ("localvit_tiny", {"img_size": 32}),
+        ("swin_tiny", {"depths": (2, 2, 2, 2)}),
+        ("lit_ti", {"img_size": 64}),
+        ("lit_s", {"depths": (1, 1, 2, 1)}),
+        ("pvt_tiny", {"img_size": 64}),  # q + kv in stages 1-3, qkv in stage 4
+        ("tnt_tiny", {"img_size": 32}),
+        ("lsa_tiny_cifar", {}),  # multi-query global attention, q + kv in the local block
+    ],
+)
+def test_checkpoints_with_separate_q_and_kv_load_with_identical_outputs(name, kwargs):
+    # lgvit's checkpoints before the fused projection: same parameter count, same outputs.
+    torch.manual_seed(0)
+    m = lgvit.create_model(name, num_classes=5, **kwargs).eval()
+    old = _old_layout(m)
+    assert any(".attn.q." in k for k in old), name
+    torch.manual_seed(1)
+    again = lgvit.create_model(name, num_classes=5, **kwargs).eval()
+    again.load_state_dict(old)
+    size = m.pretrained_cfg["input_size"][1:]
+    x = torch.randn(2, 3, *size)
+    with torch.no_grad():
+        assert torch.equal(again(x), m(x)), name
+    assert sum(p.numel() for p in again.parameters()) == sum(p.numel() for p in m.parameters())
 
 
 def test_relative_table_resized_on_load():
@@ -143,12 +217,44 @@ def test_window_attention_matches_per_window_reference_and_caches_mask():
             t = xr[:, i : i + w, j : j + w].reshape(2, w * w, C)
             r = region[i : i + w, j : j + w].reshape(-1)
             mask = (r[:, None] != r[None, :]).float() * -100.0
-            k, v = att.kv(t).split(C, dim=-1)
-            y = att.proj(_reference_attention(att.q(t), k, v, heads, bias + mask))
+            q, kv = _q_kv(att, t)
+            k, v = kv.split(C, dim=-1)
+            y = att.proj(_reference_attention(q, k, v, heads, bias + mask))
             ref[:, i : i + w, j : j + w] = y.view(2, w, w, C)
     ref = torch.roll(ref, (s, s), (1, 2)).reshape(2, H * W, C)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert att._mask((H, W), x.device) is att._mask((H, W), x.device)  # built once
+
+
+def test_masks_and_bias_indices_are_built_once_per_grid(monkeypatch):
+    # Swin's shift mask and a relative-position index of another grid (LIT's whole-map bias
+    # at another input size): built once for two forwards, the outputs as when rebuilt.
+    import lgvit.models.layers.attention as attention
+    import lgvit.models.layers.window as window
+
+    built = {"mask": 0, "index": 0}
+
+    def spy(name, fn):
+        def counted(*args):
+            built[name] += 1
+            return fn(*args)
+
+        return counted
+
+    torch.manual_seed(0)
+    win = WindowAttention(8, 2, window=4, shift=2).eval()
+    glob = Attention(8, 2, rel_pos_grid=(3, 4)).eval()
+    x, y = torch.randn(2, 64, 8), torch.randn(2, 20, 8)
+    want = win(x, (8, 8)), glob(y, (4, 5))  # rebuilt: a fresh module's first call
+    win._masks.clear(), glob.rel_pos._indices.clear()
+    monkeypatch.setattr(window, "shifted_window_mask", spy("mask", window.shifted_window_mask))
+    monkeypatch.setattr(
+        attention, "relative_position_index", spy("index", attention.relative_position_index)
+    )
+    for _ in range(2):
+        assert torch.equal(win(x, (8, 8)), want[0]) and torch.equal(glob(y, (4, 5)), want[1])
+    assert built == {"mask": 1, "index": 1}
+    assert not any("_indices" in k or "_masks" in k for k in glob.state_dict())
 
 
 def test_a_mask_per_window_repeats_over_the_images_in_every_attention_path():
@@ -230,6 +336,52 @@ def test_drop_path_zeroes_whole_samples_and_scales_the_rest_by_exactly_one_over_
     # unbiased: 1/0.9 in bf16 (1.109375) would sit 0.16% low; rounding is 2^-9 per element
     assert abs(ratio.mean().item() * 0.9 - 1) < 2e-4, ratio.mean()
     assert drop_path(x, 0.1, training=False) is x
+
+
+def _unfused_block(blk, x, hw=None):
+    """The block as lgvit wrote it before the fused residual: ``x + drop_path(branch)``."""
+    if blk.attn is not None:
+        x = x + blk.drop_path1(blk.attn(blk.norm1(x), hw))
+    return x + blk.drop_path2(blk.mlp(blk.norm2(x), hw))
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_fused_residual_and_drop_path_equal_the_unfused_form(train, amp):
+    # The same random draws (one seed), the same outputs and gradients, train and eval, in
+    # float32 and under bf16 autocast (there the residual stream stays float32).
+    from lgvit.models.layers import residual_add
+
+    torch.manual_seed(0)
+    blk = Block(16, 2, drop_path=0.5).train(train)
+    x0 = torch.randn(8, 5, 16)
+    outs, grads = [], []
+    for form in (blk.forward, lambda x: _unfused_block(blk, x)):
+        x = x0.clone().requires_grad_()
+        blk.zero_grad()
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None):
+            out = form(x)
+        assert out.dtype == torch.float32
+        out.square().sum().backward()
+        outs.append(out)
+        grads.append([x.grad, *(p.grad for p in blk.parameters())])
+    # bf16: the unfused form rounded the scaled branch to bf16 (x * mask / keep); the fused
+    # one scales in float32
+    tol = {} if amp is None else dict(rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(outs[0], outs[1], **tol)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    with torch.no_grad():  # training: the drop path acted (equal outputs: the same draws)
+        plain = _unfused_block(blk.eval(), x0)
+    assert train != torch.allclose(outs[0], plain, rtol=0.05, atol=0.05)
+    y = torch.randn(8, 5, 16, dtype=torch.bfloat16)
+    torch.manual_seed(2)
+    fused = residual_add(x0, y, 0.5, True)
+    torch.manual_seed(2)
+    mask = torch.empty(8, 1, 1, dtype=torch.bfloat16).bernoulli_(0.5)  # drawn as drop_path does
+    torch.testing.assert_close(fused, x0 + y.float() * mask.float() / 0.5)  # exact scale
+    assert fused.dtype == torch.float32 and torch.equal(residual_add(x0, y, 0.5, False), x0 + y)
 
 
 class _BatchNormBlock(nn.Module):

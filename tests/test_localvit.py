@@ -150,15 +150,11 @@ def test_ablation_keywords_reach_every_table():
 
 def _authors_layout(sd: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
     """Our DeiT-based LocalViT state dict written the way the authors' code stores it: one
-    fused qkv, and the feed-forward as nn.Sequential indices (an independent inverse)."""
+    fused qkv (ours too), and the feed-forward as nn.Sequential indices (an independent
+    inverse)."""
     out = {}
     for k, v in sd.items():
-        if ".attn.q." in k:
-            kv = sd[k.replace(".attn.q.", ".attn.kv.")]
-            out[k.replace(".attn.q.", ".attn.qkv.")] = torch.cat([v, kv])
-        elif ".attn.kv." in k:
-            continue
-        elif ".mlp." in k:
+        if ".mlp." in k:
             blk, rest = k.split(".mlp.", 1)
             name, param = rest.split(".", 1)
             ffn = model.get_submodule(f"{blk}.mlp")

@@ -190,6 +190,19 @@ def _reference(sd: dict, x: torch.Tensor, heads, shared_kv: bool, shifts, padded
     return lin(ln(out, "norm").mean(1), "mlp_head")
 
 
+def _unfused(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our fused ``attn.qkv`` as ``attn.q`` (its first ``dim`` rows) and ``attn.kv``, as their
+    ``Wq`` and ``Wkv``."""
+    out = {}
+    for key, v in sd.items():
+        if ".attn.qkv." not in key:
+            out[key] = v
+            continue
+        dim = sd[key.replace(".bias", ".weight")].shape[1]
+        out[key.replace(".qkv.", ".q.")], out[key.replace(".qkv.", ".kv.")] = v[:dim], v[dim:]
+    return out
+
+
 def _to_their_layout(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our state dict of an ``*_authors`` model in their names (an independent inverse)."""
     parts = {"attn.q": "0.Wq_{}", "attn.kv": "0.Wkv_{}", "attn.proj": "0.proj",
@@ -198,7 +211,7 @@ def _to_their_layout(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for t in range(sd["patch_embed.weight"].shape[0]):
         for p in ("weight", "bias"):
             out[f"to_patch_embedding.projections.{t}.{p}"] = sd[f"patch_embed.{p}"][t]
-    for key, v in sd.items():
+    for key, v in _unfused(sd).items():
         if key.startswith("patch_embed."):
             continue
         if key == "pos_embed":
@@ -326,7 +339,7 @@ def test_fine_tune_their_cifar10_model_on_cifar100(their_tiny_cifar):
     assert "head for another class count dropped" in note
     assert m.head.weight.shape == (100, 192)
     kv = sd["layers.3.0.layers.3.0.Wkv_odd.weight"]
-    assert kv.shape == (96, 192) and torch.equal(m.stages[3].blocks[3].attn.kv.weight, kv)
+    assert kv.shape == (96, 192) and torch.equal(m.stages[3].blocks[3].attn.qkv.weight[192:], kv)
 
 
 def test_info_lists_their_models(capsys):

@@ -113,7 +113,7 @@ def test_logit_scales():
     # the usual 1/sqrt(head dim)
     assert t2t.blocks[0].attn.qk_scale == pytest.approx(256**-0.5)
     assert local.blocks[0].attn.qk_scale in (None, pytest.approx(64**-0.5))
-    assert local.blocks[0].attn.q.bias is None
+    assert local.blocks[0].attn.qkv.bias is None
 
 
 def test_localvit_t2t_feed_forwards():
@@ -144,7 +144,7 @@ def test_tnt_geometry():
     assert m.pixel_embed.pixels == 4 and m.blocks[0].inner.attn.num_heads == 3
     (pixels, patches), hw = m.forward_stem(torch.randn(2, 3, 64, 48))
     assert hw == (4, 3) and pixels.shape == (2 * 12, 16, 12) and patches.shape == (2, 13, 192)
-    assert isinstance(m.blocks[0].outer.mlp, Mlp) and m.blocks[0].inner.attn.q.bias is None
+    assert isinstance(m.blocks[0].outer.mlp, Mlp) and m.blocks[0].inner.attn.qkv.bias is None
     local = lgvit.create_model("localvit_tnt_tiny", img_size=64)
     ffn = local.blocks[0].outer.mlp
     assert isinstance(ffn, LocalityFeedForward) and ffn.attn.fc[0].out_features == 4
@@ -170,11 +170,7 @@ def _ffn_to_sequential(sd: dict, model: nn.Module) -> dict:
 
 def _t2t_authors(sd: dict, model: nn.Module) -> dict:
     out = {}
-    for k, v in _ffn_to_sequential(sd, model).items():
-        if ".attn.kv." in k:
-            continue
-        if ".attn.q." in k:
-            k, v = k.replace(".attn.q.", ".attn.qkv."), torch.cat([v, sd[k.replace(".q.", ".kv.")]])
+    for k, v in _ffn_to_sequential(sd, model).items():  # their qkv is ours
         k = k.replace("patch_embed.", "tokens_to_token.")
         k = re.sub(r"(attention\d)\.mlp\.fc1\.", r"\1.mlp.0.", k)
         k = re.sub(r"(attention\d)\.mlp\.fc2\.", r"\1.mlp.2.", k)
@@ -194,13 +190,10 @@ def _tnt_authors(sd: dict, model: nn.Module) -> dict:
     }  # fmt: skip
     out = {}
     for k, v in _ffn_to_sequential(sd, model).items():
-        if ".attn.kv." in k:
-            continue
-        if ".attn.q." in k:  # theirs: qk (q rows, k rows) and v
-            kv = sd[k.replace(".q.", ".kv.")]
-            c = kv.shape[0] // 2
-            out[k.replace(".attn.q.", ".attn.qk.")] = torch.cat([v, kv[:c]])
-            out[k.replace(".attn.q.", ".attn.v.")] = kv[c:]
+        if ".attn.qkv." in k:  # theirs: qk (q rows, k rows) and v
+            c = v.shape[0] // 3
+            out[k.replace(".attn.qkv.", ".attn.qk.")] = v[: 2 * c]
+            out[k.replace(".attn.qkv.", ".attn.v.")] = v[2 * c :]
             continue
         out[k] = v
     renamed = {}

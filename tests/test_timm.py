@@ -164,7 +164,7 @@ def test_group_matcher_on_lsa_blocks():
     # final norm the last block's, as timm's ViT does), head.
     assert len(set(fine.values())) == 1 + 5 + 1
     assert len(set(coarse.values())) == 1 + 3 + 1
-    assert fine["stages.1.downsample.conv.weight"] == fine["stages.1.blocks.0.attn.q.weight"]
+    assert fine["stages.1.downsample.conv.weight"] == fine["stages.1.blocks.0.attn.qkv.weight"]
     assert fine["norm.weight"] == fine["stages.2.blocks.1.mlp.fc2.weight"]
-    assert fine["stages.0.blocks.0.attn.q.weight"] < fine["stages.2.blocks.1.mlp.fc2.weight"]
+    assert fine["stages.0.blocks.0.attn.qkv.weight"] < fine["stages.2.blocks.1.mlp.fc2.weight"]
     assert fine["head.weight"] == max(fine.values())

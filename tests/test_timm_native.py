@@ -170,19 +170,16 @@ def test_features_only_through_timm_is_timms_feature_api():
 
 def _authors_localvit(sd: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
     """LocalViT-T's state dict as the authors' code stores it: fused qkv, the feed-forward as
-    nn.Sequential indices (written independently of the loader's mapping)."""
+    nn.Sequential indices (written independently of the loader's mapping; their fused qkv is
+    ours)."""
     out = {}
     for k, v in sd.items():
-        if ".attn.q." in k:
-            out[k.replace(".attn.q.", ".attn.qkv.")] = torch.cat(
-                [v, sd[k.replace(".attn.q.", ".attn.kv.")]]
-            )
-        elif ".mlp." in k:
+        if ".mlp." in k:
             blk, rest = k.split(".mlp.", 1)
             name, param = rest.split(".", 1)
             ffn = model.get_submodule(f"{blk}.mlp")
             out[f"{blk}.conv.conv.{ffn.layers().index(getattr(ffn, name))}.{param}"] = v
-        elif ".attn.kv." not in k:
+        else:
             out[k] = v
     return out
 

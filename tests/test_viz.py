@@ -44,10 +44,9 @@ def test_captured_global_attention_is_softmax_of_q_k_and_leaves_the_output_alone
     probs, grid = store[0]
     assert grid == (3, 4) and probs.shape == (2, 4, 12, 12)
     xd = x.double()  # the projections recomputed from the weights
-    q = torch.nn.functional.linear(xd, attn.q.weight.double(), attn.q.bias.double()).view(
-        2, 12, 4, 6
-    )
-    kv = torch.nn.functional.linear(xd, attn.kv.weight.double(), attn.kv.bias.double())
+    w, b = attn.qkv.weight.double(), attn.qkv.bias.double()  # rows: q (24), k (12), v (12)
+    q = torch.nn.functional.linear(xd, w[:24], b[:24]).view(2, 12, 4, 6)
+    kv = torch.nn.functional.linear(xd, w[24:], b[24:])
     k = kv[..., :12].view(2, 12, 2, 6)
     bias = attn.rel_pos((3, 4)).double()
     want = torch.empty(2, 4, 12, 12, dtype=torch.float64)

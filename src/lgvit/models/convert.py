@@ -8,21 +8,6 @@ from collections.abc import Iterable
 import torch
 
 
-def split_fused_qkv(state_dict: dict[str, torch.Tensor], suffix: str = "attn.qkv") -> dict:
-    """``...attn.qkv.{weight,bias}`` (rows q, k, v) -> ``...attn.q`` and ``...attn.kv``."""
-    out = {}
-    for key, value in state_dict.items():
-        m = re.fullmatch(rf"(.*)\.{re.escape(suffix)}\.(weight|bias)", key)
-        if m is None:
-            out[key] = value
-            continue
-        c = value.shape[0] // 3
-        base = m[1] + "." + suffix.rsplit(".", 1)[0] if "." in suffix else m[1]
-        out[f"{base}.q.{m[2]}"] = value[:c]
-        out[f"{base}.kv.{m[2]}"] = value[c:]
-    return out
-
-
 def rename_keys(
     state_dict: dict[str, torch.Tensor], rules: Iterable[tuple[str, str]]
 ) -> dict[str, torch.Tensor]:

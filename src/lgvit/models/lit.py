@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lgvit.models.convert import rename_keys, split_fused_qkv
+from lgvit.models.convert import rename_keys
 from lgvit.models.layers import (
     Attention,
     DeformableTokenMerging,
@@ -92,7 +92,7 @@ class LITPyramid(PyramidVisionTransformer):
     def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict:
         """The LIT-Ti authors' layout (PVT's, plus ``dconv``/``norm_layer`` and fused qkv)."""
         sd = super().checkpoint_filter_fn(state_dict)
-        return split_fused_qkv(rename_keys(sd, _DTM_RENAMES))
+        return rename_keys(sd, _DTM_RENAMES)
 
 
 class LITSwin(SwinTransformer):

@@ -265,6 +265,8 @@ class LocalShiftAttention(Attention):
     probabilities.
     """
 
+    fuse_qkv = False  # queries from the unshifted tokens, keys and values from the variants
+
     def forward(  # type: ignore[override]
         self,
         query: torch.Tensor,
@@ -301,8 +303,8 @@ class LocalShiftBlock(Block):
         self, x: torch.Tensor, variants: torch.Tensor | ShiftedVariants, hw: Grid
     ) -> torch.Tensor:
         # LN is per token, so norm1(x) is exactly variant 0 of norm1(variants).
-        x = x + self.drop_path1(self.attn(self.norm1(x), variants, self.norm1))
-        return x + self.drop_path2(self.mlp(self.norm2(x), hw))
+        x = self.residual(x, self.attn(self.norm1(x), variants, self.norm1), self.drop_path1)
+        return self.residual(x, self.mlp(self.norm2(x), hw), self.drop_path2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -621,24 +623,16 @@ _LEGACY_RENAMES = (
     (r"local_block\.norms\.([02])\.", lambda m: f"local_block.blocks.{int(m[1]) // 2}.norm1."),
     (r"local_block\.norms\.([13])\.", lambda m: f"local_block.blocks.{int(m[1]) // 2}.norm2."),
     (r"local_block\.mlps\.(\d)\.", r"local_block.blocks.\1.mlp."),
-    (r"local_block\.attns\.(\d)\.proj\.", r"local_block.blocks.\1.attn.proj."),
+    (r"local_block\.attns\.(\d)\.(proj|qkv)\.", r"local_block.blocks.\1.attn.\2."),
     (r"local_block\.attns\.(\d)\.rel_pos_bias$",
      r"local_block.blocks.\1.attn.rel_pos.relative_position_bias_table"),
 )  # fmt: skip
 
 
 def _map_legacy_keys(state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
-    """Load hook: rename the keys of pre-core checkpoints (and split Swin's fused qkv)."""
+    """Load hook: rename the keys of pre-core checkpoints (Swin's fused qkv keeps its layout)."""
     for key in [k for k in state_dict if k.startswith(prefix + "local_block.")]:
         rest = key[len(prefix) :]
-        fused = re.fullmatch(r"local_block\.attns\.(\d)\.qkv\.(weight|bias)", rest)
-        if fused:
-            qkv = state_dict.pop(key)
-            base = f"{prefix}local_block.blocks.{fused[1]}.attn"
-            c = qkv.shape[0] // 3
-            state_dict[f"{base}.q.{fused[2]}"] = qkv[:c]
-            state_dict[f"{base}.kv.{fused[2]}"] = qkv[c:]
-            continue
         new = rest
         for pattern, repl in _LEGACY_RENAMES:
             new = re.sub(pattern, repl, new)

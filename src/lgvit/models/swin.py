@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from lgvit.models.base import StagedViT, pyramid_feature_info
-from lgvit.models.convert import drop_keys, rename_keys, split_fused_qkv
+from lgvit.models.convert import drop_keys, rename_keys
 from lgvit.models.layers import (
     Block,
     Grid,
@@ -153,7 +153,7 @@ class SwinTransformer(StagedViT):
                  "attn.rel_pos.relative_position_bias_table"),
             ],
         )  # fmt: skip
-        return split_fused_qkv(sd)
+        return sd
 
 
 # ---------------------------------------------------------------------------------------------

@@ -180,12 +180,10 @@ class TNT(StagedViT):
             ],
         )
         out = {}
-        for k, v in sd.items():  # qk (q rows, then k rows) + v  ->  q + kv (k rows, then v rows)
+        for k, v in sd.items():  # qk (q rows, then k rows) + v  ->  qkv (rows q, k, v)
             if k.endswith(".attn.qk.weight"):
                 base = k[: -len("qk.weight")]
-                c = v.shape[0] // 2
-                out[base + "q.weight"] = v[:c]
-                out[base + "kv.weight"] = torch.cat([v[c:], sd[base + "v.weight"]])
+                out[base + "qkv.weight"] = torch.cat([v, sd[base + "v.weight"]])
             elif not k.endswith(".attn.v.weight"):
                 out[k] = v
         return map_authors_ffn_keys(out, self)

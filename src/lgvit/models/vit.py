@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 
 from lgvit.models.base import StagedViT, block_feature_info
-from lgvit.models.convert import split_fused_qkv
 from lgvit.models.layers import (
     Block,
     Grid,
@@ -163,8 +162,8 @@ class VisionTransformer(StagedViT):
         return self.pos_drop(x + pos), hw
 
     def checkpoint_filter_fn(self, state_dict: dict[str, torch.Tensor]) -> dict:
-        """timm / DeiT layout: the fused ``attn.qkv`` projection is split into ``q`` and ``kv``."""
-        return split_fused_qkv(state_dict)
+        """timm / DeiT layout: lgvit's own (the fused ``attn.qkv`` included)."""
+        return state_dict
 
 
 # ---------------------------------------------------------------------------------------------

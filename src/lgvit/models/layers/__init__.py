@@ -16,7 +16,7 @@ from lgvit.models.layers.deform import (
     deform_conv2d,
     set_deform_impl,
 )
-from lgvit.models.layers.drop import DropPath, drop_path, drop_path_schedule
+from lgvit.models.layers.drop import DropPath, drop_path, drop_path_schedule, residual_add
 from lgvit.models.layers.features import FeatureInfo, feature_take_indices
 from lgvit.models.layers.helpers import (
     Grid,
@@ -79,6 +79,7 @@ __all__ = [
     "deform_conv2d",
     "set_deform_impl",
     "drop_path",
+    "residual_add",
     "drop_path_schedule",
     "feature_take_indices",
     "frozen_norm_stats",

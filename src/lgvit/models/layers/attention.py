@@ -15,7 +15,12 @@ import torch.nn.functional as F
 
 from lgvit.core.runtime import cpu_bf16_support
 from lgvit.models.layers.helpers import Grid, to_2tuple, tokens_to_map
-from lgvit.models.layers.pos_embed import grid_differs, grid_of_rel_table, resize_rel_pos_table
+from lgvit.models.layers.pos_embed import (
+    grid_differs,
+    grid_of_rel_table,
+    is_symbolic,
+    resize_rel_pos_table,
+)
 from lgvit.models.layers.weight_init import trunc_normal_
 
 LN_EPS = 1e-6  # DeiT / the LSA authors' LayerNorm epsilon
@@ -73,8 +78,8 @@ def multihead_sdpa(
             attn_mask = attn_mask.to(q.dtype)
         x = _explicit_attention(q, k, v, attn_mask, dropout_p, scale)
     else:
-        if attn_mask is not None:
-            attn_mask = per_sample_mask(attn_mask, B).to(q.dtype)
+        if attn_mask is not None:  # cast before the copy per sample: one small cast
+            attn_mask = per_sample_mask(attn_mask.to(q.dtype), B)
         x = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
         )
@@ -200,6 +205,9 @@ class RelativePositionBias(nn.Module):
         )
         trunc_normal_(self.relative_position_bias_table, std=0.02)
         self.register_buffer("relative_position_index", relative_position_index(H, W), False)
+        # (grid, device, inference mode) -> the index of another grid, built once, not on
+        # every call (on the host, then copied to the device); not part of the state dict
+        self._indices: dict[tuple, torch.Tensor] = {}
         self._register_load_state_dict_pre_hook(self._resize_on_load)
 
     def _resize_on_load(self, state_dict: dict, prefix: str, *args: object) -> None:
@@ -216,19 +224,38 @@ class RelativePositionBias(nn.Module):
         """``(heads, N, N)`` bias for the built grid, or for ``hw`` (another input size): then
         the table is resized, bicubic, on the fly."""
         table, index = self.relative_position_bias_table, self.relative_position_index
-        return relative_bias(table, index, self.grid, hw)
+        return relative_bias(table, index, self.grid, hw, self._indices)
 
 
 def relative_bias(
-    table: torch.Tensor, index: torch.Tensor, built: Grid, hw: Grid | None
+    table: torch.Tensor,
+    index: torch.Tensor,
+    built: Grid,
+    hw: Grid | None,
+    indices: dict[tuple, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:meth:`RelativePositionBias.forward`: ``(heads, N, N)`` from the table built for the
-    ``built`` grid, resized when ``hw`` differs."""
+    ``built`` grid, resized when ``hw`` differs (its index kept in ``indices``)."""
     if hw is not None and grid_differs(hw, built):
         table = resize_rel_pos_table(table, built, hw)
-        index = relative_position_index(*hw).to(table.device)
+        index = _grid_index(hw, table.device, indices)
     n = index.shape[0]
     return table[index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+
+
+def _grid_index(
+    hw: Grid, device: torch.device, indices: dict[tuple, torch.Tensor] | None
+) -> torch.Tensor:
+    """:func:`relative_position_index` of ``hw`` on ``device``, built once per grid. Built in
+    the graph under torch.compile (a cache entry added while tracing) and for a symbolic grid;
+    one entry per inference mode: autograd may not save an inference tensor (the gather's
+    backward saves the index)."""
+    if indices is None or is_symbolic(hw) or torch.compiler.is_compiling():
+        return relative_position_index(*hw).to(device)
+    key = (tuple(hw), str(device), torch.is_inference_mode_enabled())
+    if key not in indices:
+        indices[key] = relative_position_index(*hw).to(device)
+    return indices[key]
 
 
 def relative_position_index(H: int, W: int) -> torch.Tensor:
@@ -250,7 +277,14 @@ class Attention(nn.Module):
             must then form exactly that grid).
         qk_scale: the logit scale (default ``1/sqrt(head_dim)``; T2T-ViT's released weights were
             trained with ``1/sqrt(dim)``).
+
+    Without spatial reduction the projections are one ``qkv`` Linear (timm's layout), else
+    ``q`` and ``kv``; either layout loads into either (:meth:`_qkv_layout_on_load`).
     """
+
+    # Whether queries, keys and values may come from one projection of the same tokens (False
+    # in LSA's local attention: keys and values come from the shifted variants).
+    fuse_qkv = True
 
     def __init__(
         self,
@@ -275,8 +309,18 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.kv_heads = kv_heads
         self.head_dim = dim // num_heads
-        self.q = nn.Linear(dim, dim, bias=qkv_bias)
-        self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=qkv_bias)
+        # One projection where queries, keys and values come from the same tokens (timm's
+        # ``qkv``: one GEMM, no concatenation of q's and kv's weights on every call); separate
+        # ``q`` and ``kv`` where keys and values come from other tokens (spatial reduction,
+        # LSA's shifted variants).
+        self.fused = self.fuse_qkv and sr_ratio == 1
+        ckv = 2 * kv_heads * self.head_dim
+        if self.fused:
+            self.qkv = nn.Linear(dim, dim + ckv, bias=qkv_bias)
+        else:
+            self.q = nn.Linear(dim, dim, bias=qkv_bias)
+            self.kv = nn.Linear(dim, ckv, bias=qkv_bias)
+        self._register_load_state_dict_pre_hook(self._qkv_layout_on_load)
         self.attn_drop = attn_drop
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -289,10 +333,19 @@ class Attention(nn.Module):
         # A list while attention is being captured (lgvit.tools.viz.capture_attention): each call
         # appends (probabilities (B, H, N, M), grid). None costs one test per call.
         self.captured: list[tuple[torch.Tensor, Grid | None]] | None = None
-        # Queries and keys/values of the same tokens in one matmul (without spatial reduction):
-        # +1.3-1.5% DeiT-T, +4.1% Swin-T fp32 training on an AMD EPYC. False: two matmuls, the
-        # float rounding of lgvit before the fusion (for A/B timing and exact old comparisons).
-        self.fuse_qkv = True
+
+    def _qkv_layout_on_load(self, state_dict: dict, prefix: str, *args: object) -> None:
+        """Load hook: lgvit's checkpoints before the fused projection (and the layouts mapped
+        onto them) hold ``q`` and ``kv``; timm's and the authors' hold ``qkv`` (rows q, k, v).
+        Either loads into this module's layout."""
+        for part in ("weight", "bias"):
+            q, kv, qkv = (f"{prefix}{name}.{part}" for name in ("q", "kv", "qkv"))
+            if self.fused and q in state_dict and kv in state_dict:
+                state_dict[qkv] = torch.cat([state_dict.pop(q), state_dict.pop(kv)])
+            elif not self.fused and qkv in state_dict:
+                w = state_dict.pop(qkv)
+                c = self.num_heads * self.head_dim
+                state_dict[q], state_dict[kv] = w[:c], w[c:]
 
     def _keys_values(self, x: torch.Tensor, hw: Grid | None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.sr_ratio > 1:
@@ -303,26 +356,23 @@ class Attention(nn.Module):
         c = self.kv_heads * self.head_dim
         return kv[..., :c], kv[..., c:]
 
-    def _fused_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values of the same tokens in one matmul (timm's fused ``qkv``):
-        one GEMM over 3C outputs instead of two; the parameters stay ``q`` and ``kv``."""
-        w = torch.cat([self.q.weight, self.kv.weight])
-        b = None if self.q.bias is None else torch.cat([self.q.bias, self.kv.bias])
-        c, ckv = self.q.out_features, self.kv_heads * self.head_dim
+    def _split_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of the same tokens from the one ``qkv`` matmul."""
+        c, ckv = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
         # split, not three slices: its backward writes the (B, N, 3C) gradient once (a cat),
         # where each slice's backward zero-fills a full-size tensor and they are then added
         # (DeiT-T fp32 training, batch 32: 36 fills and 24 adds of that size, 25 ms a step).
-        q, k, v = F.linear(x, w, b).split([c, ckv, ckv], dim=-1)
+        q, k, v = self.qkv(x).split([c, ckv, ckv], dim=-1)
         return q, k, v
 
     def forward(
         self, x: torch.Tensor, hw: Grid | None = None, attn_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if self.sr_ratio > 1 or not self.fuse_qkv:
+        if self.fused:
+            q, k, v = self._split_qkv(x)
+        else:
             k, v = self._keys_values(x, hw)
             q = self.q(x)
-        else:
-            q, k, v = self._fused_qkv(x)
         if self.rel_pos is not None:
             bias = self.rel_pos(hw)
             attn_mask = bias if attn_mask is None else attn_mask + bias

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from lgvit.models.layers.attention import LN_EPS, Attention
-from lgvit.models.layers.drop import DropPath
+from lgvit.models.layers.drop import DropPath, residual_add
 from lgvit.models.layers.helpers import Grid
 from lgvit.models.layers.mlp import Mlp
 
@@ -69,7 +69,13 @@ class Block(nn.Module):
         mlp_drop_path = getattr(mlp_cls, "drop_path", True)
         self.drop_path2 = DropPath(drop_path) if mlp_drop_path else nn.Identity()
 
+    def residual(self, x: torch.Tensor, y: torch.Tensor, drop: nn.Module) -> torch.Tensor:
+        """``x + drop(y)`` as one op (:func:`residual_add`); ``drop`` is the branch's
+        :class:`DropPath` (its rate read per call: the authors' LSA models set it after
+        construction) or ``nn.Identity`` (no stochastic depth)."""
+        return residual_add(x, y, getattr(drop, "drop_prob", 0.0), self.training)
+
     def forward(self, x: torch.Tensor, hw: Grid | None = None) -> torch.Tensor:
         if self.attn is not None:
-            x = x + self.drop_path1(self.attn(self.norm1(x), hw))
-        return x + self.drop_path2(self.mlp(self.norm2(x), hw))
+            x = self.residual(x, self.attn(self.norm1(x), hw), self.drop_path1)
+        return self.residual(x, self.mlp(self.norm2(x), hw), self.drop_path2)
