@@ -172,3 +172,64 @@ def test_cpu_default_is_the_pure_path_and_torchvision_takes_bf16(monkeypatch):
 
     monkeypatch.setattr(deform, "_torchvision_deform_conv2d", no_torchvision)
     torch.testing.assert_close(deform_conv2d(x, off, w, b, 2, 0), want, rtol=1e-4, atol=1e-4)
+
+
+def _deform_case(seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4, 12, 12, generator=g, requires_grad=True)
+    off = (3 * torch.randn(2, 8, 6, 6, generator=g)).requires_grad_(True)
+    w = torch.randn(5, 4, 2, 2, generator=g, requires_grad=True)
+    b = torch.randn(5, generator=g, requires_grad=True)
+    return x, off, w, b
+
+
+def test_torchvision_kernel_runs_in_float16_under_float16_autocast():
+    """The compute dtype where the kernel takes it (CPU kernel: float16), within float16's
+    rounding of the float32 result, forward and backward; a float32 input under autocast."""
+    x, off, w, b = _deform_case()
+    # offsets float16 can hold: a sample crossing a pixel edge would change the offsets'
+    # gradient by a step, which is the offsets' rounding, not the kernel's arithmetic
+    off = off.detach().half().float().requires_grad_(True)
+    want = deform_conv2d(x, off, w, b, 2, 0, use_torchvision=True)
+    cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(3))
+    want_g = torch.autograd.grad(want, (x, off, w, b), cot)
+    with torch.autocast("cpu", dtype=torch.float16):
+        got = deform_conv2d(x, off, w, b, 2, 0, use_torchvision=True)
+    assert got.dtype == torch.float16
+    scale = want.abs().max()
+    torch.testing.assert_close(got.float() / scale, want / scale, rtol=0, atol=1e-2)
+    grads = torch.autograd.grad(got.float(), (x, off, w, b), cot)
+    for name, a, e in zip("x off w b".split(), grads, want_g, strict=True):
+        assert a.dtype == torch.float32  # the leaves' own dtype
+        err = ((a - e) / e.abs().max()).abs()
+        if name == "off":  # a sample within float16's rounding of a pixel edge: bilinear
+            assert float((err > 1e-2).float().mean()) < 0.01, err.max()  # sampling's slope steps
+        else:
+            assert float(err.max()) < 1e-2, (name, err.max())
+
+
+def test_torchvision_kernel_samples_in_float32_under_bf16_autocast():
+    """bf16 would place samples within 1/4 pixel only: the kernel runs in float32, the result
+    is exactly the float32 call's, in the input's dtype (as before)."""
+    x, off, w, b = _deform_case()
+    want = deform_conv2d(x, off, w, b, 2, 0, use_torchvision=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = deform_conv2d(x, off.bfloat16().float(), w, b, 2, 0, use_torchvision=True)
+        low = deform_conv2d(x, off.bfloat16(), w, b, 2, 0, use_torchvision=True)
+    assert got.dtype == low.dtype == torch.float32
+    torch.testing.assert_close(low, got, rtol=0, atol=0)  # offsets widened, then float32
+    ref = deform_conv2d(x, off.bfloat16().float(), w, b, 2, 0, use_torchvision=True)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert want.shape == got.shape
+
+
+def test_a_kernel_without_the_dtype_runs_in_float32(monkeypatch):
+    import lgvit.models.layers.deform as deform
+
+    monkeypatch.setattr(deform, "_kernel_takes", lambda device, dtype: False)
+    x, off, w, b = _deform_case()
+    want = deform_conv2d(x, off, w, b, 2, 0, use_torchvision=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        got = deform_conv2d(x, off, w, b, 2, 0, use_torchvision=True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

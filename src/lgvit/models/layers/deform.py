@@ -13,8 +13,10 @@ Which kernel runs: on the CPU this pure path, which measured 2.2-5.5x faster tha
 shapes (``benchmarks/bench_deform.py``, AMD EPYC with AVX-512 bf16, torch 2.14.1, batch 32;
 torchvision's CPU kernel is an im2col loop without bf16); it also exports to ONNX as
 GridSample + Conv. On CUDA torchvision's kernel (the authors used a CUDA kernel too); not yet
-measured against this path on a GPU. ``DeformConv2d(impl=...)`` (``deform_impl`` of the LIT
-models, :func:`set_deform_impl` on a built model) chooses either explicitly.
+measured against this path on a GPU. Under float16 autocast that kernel runs in float16 where it
+takes it; under bfloat16 in float32 (a bf16 sample position is only within 1/4 pixel at 56).
+``DeformConv2d(impl=...)`` (``deform_impl`` of the LIT models, :func:`set_deform_impl` on a
+built model) chooses either explicitly.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lgvit.models.layers.helpers import Grid, check_grid, map_to_tokens, to_2tuple
+from lgvit.models.layers.helpers import Grid, autocast_dtype, check_grid, map_to_tokens, to_2tuple
 
 # Which kernel a DeformConv2d runs -> deform_conv2d's ``use_torchvision``: "auto" is torchvision's
 # on CUDA and the pure path elsewhere.
@@ -77,16 +79,7 @@ def deform_conv2d(
     if use_torchvision and tv is None:
         raise RuntimeError("use_torchvision=True but torchvision.ops.deform_conv2d does not import")
     if tv is not None:
-        args = (x, offset, weight) + (() if bias is None else (bias,))
-        # torchvision's kernels have no bf16 (CPU: no fp16 either) and want one dtype for all
-        # (under autocast the offsets come in bf16 beside a float32 input): they run in float32
-        # then, as the pure path samples.
-        work = torch.float64 if any(t.dtype == torch.float64 for t in args) else torch.float32
-        if any(t.dtype != work for t in args):
-            x, offset, weight, *rest = (t.to(work) for t in args)
-            out = tv(x, offset, weight, rest[0] if rest else None, (sh, sw), (ph, pw), (dh, dw))
-            return out.to(args[0].dtype)
-        return tv(x, offset, weight, bias, (sh, sw), (ph, pw), (dh, dw))
+        return _torchvision_call(tv, x, offset, weight, bias, (sh, sw), (ph, pw), (dh, dw))
 
     work = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 if given
     amp = x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
@@ -116,6 +109,51 @@ def deform_conv2d(
         )
     taps = taps if amp else taps.to(x.dtype)  # under autocast the conv casts it itself
     return F.conv2d(taps, weight, bias, stride=(kh, kw))
+
+
+# Autocast dtypes torchvision's kernel may run in: float16 places a sample within 1/32 pixel on
+# maps up to 64 wide (1/16 up to 128); bfloat16 only within 1/4 at 56 (its 8-bit mantissa holds
+# the sample's position too), so under bf16 autocast the kernel runs in float32, as
+# torchvision's own autocast rule runs it always.
+_KERNEL_AUTOCAST_DTYPES = (torch.float16,)
+
+
+@torch.compiler.assume_constant_result  # traced as its value, not into the probe
+@functools.cache
+def _kernel_takes(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torchvision's deform_conv2d kernel on ``device_type`` runs in ``dtype`` (its CPU
+    kernel has float16 but no bfloat16; its CUDA kernel's types vary with the release)."""
+    tv = _torchvision_deform_conv2d()
+    dev = "cuda" if device_type == "cuda" else "cpu"
+    x = torch.zeros(1, 1, 3, 3, device=dev, dtype=dtype)
+    try:
+        with torch.autocast(device_type, enabled=False):
+            tv(x, torch.zeros(1, 2, 3, 3, device=dev, dtype=dtype), x[:, :, :1, :1], padding=(0, 0))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _torchvision_call(
+    tv, x: torch.Tensor, offset: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    stride: Grid, padding: Grid, dilation: Grid,
+) -> torch.Tensor:  # fmt: skip
+    """torchvision's kernel in one dtype for all its arguments: under autocast the compute dtype
+    where the kernel takes it and samples precisely in it (float16), else float32 (float64 if
+    any argument is); the output in the compute dtype, or the input's without autocast."""
+    args = (x, offset, weight) + (() if bias is None else (bias,))
+    dev = x.device.type
+    half = autocast_dtype(dev)
+    amp = half is not None
+    if half in _KERNEL_AUTOCAST_DTYPES and _kernel_takes(dev, half):
+        work = half
+    else:
+        work = torch.float64 if any(t.dtype == torch.float64 for t in args) else torch.float32
+    x, offset, weight, *rest = (t.to(work) for t in args)
+    # torchvision's own autocast rule would cast everything back to float32
+    with torch.autocast(dev, enabled=False) if amp else contextlib.nullcontext():
+        out = tv(x, offset, weight, rest[0] if rest else None, stride, padding, dilation)
+    return out if work == half else out.to(args[0].dtype)
 
 
 # torch.fx: one graph node each (the kernel is chosen, and the shapes checked, at run time).
