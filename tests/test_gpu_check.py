@@ -74,6 +74,8 @@ def test_smoke_runs_every_part_and_reports_each(tmp_path):
     )
     assert d["eager deit_tiny"]["drop_path"] == {"lgvit": 0.1, "timm": 0.1}
     assert d["compiled lsa_micro_cifar"]["rows"][0]["compile_rel_err"] < 5e-2
+    jpeg = d["decode 224-px JPEGs"]  # the loader's device path (here the CPU) and PIL's, timed
+    assert jpeg["ok"] and jpeg["device_img_s"] > 0 and jpeg["pil_img_s"] > 0, jpeg
 
 
 def test_a_failing_item_is_one_line_and_the_next_item_runs(tmp_path):
@@ -234,7 +236,16 @@ def test_issue_56_goals_come_first_each_judged_from_its_part():
     assert "lsa_small_224 0.850" in got[1]["measured"]
     assert got[2]["measured"] == "3900 / 4000 img/s = 0.975"  # the first 32 px epoch left out
     assert got[3]["measured"] == "90.20% after 160 s (epoch 4)"  # 10 s past the 150
-    assert got[4]["measured"] == "not measured: needs --decode-device"
+    assert got[4]["measured"] == "-"  # d had no decode item
+    rows["lit_s"]["train_img_s"] = 2000.0
+    d[0]["rows"] = [{"model": "lit_s", "batch": 128, **rows["lit_s"]}]
+    d.append({"item": "decode 224-px JPEGs", "device_img_s": 2300.0, "pil_img_s": 900.0,
+              "workers": 16, "decode_device": "cuda"})  # fmt: skip
+    got = gc.goals(_report(d=d, e=e))[4]
+    assert got["measured"] == ("2300 img/s decoded on cuda (16 workers; PIL in the workers 900)"
+                               " / lit_s 2000 = 1.15x") and got["holds"] == "no"  # fmt: skip
+    d[-1]["device_img_s"] = 2400.0
+    assert gc.goals(_report(d=d, e=e))[4]["holds"] == "yes"
     epochs[-1]["epoch_time_s"], rows["lsa_small_224"]["train_mfu"] = 20.0, 0.25
     rows["lsa_small_224"]["train_busy"] = 0.9
     d[1]["rows"] = [{"model": "lsa_small_224", "batch": 128, **rows["lsa_small_224"]}]
