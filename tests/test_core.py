@@ -139,6 +139,29 @@ def test_fused_query_key_value_projection_equals_separate_projections():
     torch.testing.assert_close(att.qkv.bias.grad, torch.cat([bq.grad, bkv.grad]))
 
 
+@pytest.mark.parametrize("name", ["deit_tiny", "swin_tiny", "lit_ti", "pvt_tiny", "tnt_tiny",
+                                  "t2t_vit_7", "localvit_tiny", "lsa_micro_cifar"])  # fmt: skip
+def test_a_seed_gives_the_weights_it_gave_before_the_fusion(name, monkeypatch):
+    # Built with separate q and kv (as lgvit did before), the same seed draws the same values
+    # into them and leaves the random stream where the fused model leaves it.
+    import lgvit
+
+    torch.manual_seed(0)
+    fused = lgvit.create_model(name).state_dict()
+    after = torch.get_rng_state()
+    monkeypatch.setattr(Attention, "fuse_qkv", False)
+    torch.manual_seed(0)
+    model = lgvit.create_model(name)
+    assert torch.equal(torch.get_rng_state(), after)
+    separate = model.state_dict()
+    assert any(k.endswith(".q.weight") for k in separate) and fused.keys() != separate.keys()
+    for k, v in fused.items():
+        head, _, part = k.rpartition(".qkv.")
+        want = (torch.cat([separate[f"{head}.q.{part}"], separate[f"{head}.kv.{part}"]])
+                if head else separate[k])  # fmt: skip
+        assert torch.equal(v, want), k
+
+
 def test_either_qkv_layout_loads_into_either_attention():
     # The load hook: lgvit's older q + kv into the fused qkv, and a fused qkv (timm's, the
     # authors') into spatial-reduction attention, which keeps q and kv (other tokens).

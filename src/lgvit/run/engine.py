@@ -48,6 +48,7 @@ from lgvit.data.device_decode import cpu_decoded_in_pass
 from lgvit.data.protocol import Loader, TrainLoader, check_loaders, skipped_in_pass, skipped_text
 from lgvit.inference import initial_weights_file
 from lgvit.models.download import random_state_kept
+from lgvit.models.layers.attention import fuse_older_qkv
 from lgvit.run.compiled import compile_net
 from lgvit.run.config import TrainConfig, config_to_dict, save_config, scaled_lr
 from lgvit.run.kept import keep_epoch, kept_score
@@ -57,6 +58,7 @@ from lgvit.run.nonfinite import NonFiniteLoss as NonFiniteLoss  # where callers 
 from lgvit.run.optim import (
     ModelEma,
     build_optimizer,
+    fit_older_optimizer_state,
     lr_at,
     steps_per_epoch,
     total_steps,
@@ -445,11 +447,12 @@ def _restore(run: Run, state: dict[str, Any], stem: Path) -> _Position:
     """Optimizer, scaler, EMA, RNG streams, history and where to continue (mid-epoch too);
     ``metrics.jsonl`` rewritten as of the checkpoint (no lost or doubled epochs)."""
     o, d = run.opt, run.d
-    o.optimizer.load_state_dict(state["optimizer"])
+    model = run.prepared.model  # an older run's q + kv states fitted to the fused qkv
+    o.optimizer.load_state_dict(fit_older_optimizer_state(state["optimizer"], o.optimizer, model))
     if o.scaler is not None and state.get("scaler"):
         o.scaler.load_state_dict(state["scaler"])
     if o.ema is not None and state.get("ema"):
-        o.ema.shadow = {k: v.to(d.device) for k, v in state["ema"].items()}
+        o.ema.shadow = {k: v.to(d.device) for k, v in fuse_older_qkv(model, state["ema"]).items()}
     pos = _Position(state["epoch"] + 1, state["global_step"])
     run.origin = (pos.epoch, pos.step)
     run.best = state["best_metric"]

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from lgvit.models.layers.attention import unfused_qkv_names
 from lgvit.run.config import TrainConfig
 
 
@@ -254,6 +255,50 @@ def layer_ids(model: nn.Module) -> dict[str, int]:
 
 
 _WITH_PREVIOUS = 99999  # a group_matcher suffix: joins the previous layer (timm's final norm)
+
+
+def fit_older_optimizer_state(
+    state: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module
+) -> dict[str, Any]:
+    """An optimizer state saved before q/k/v were stored as one ``qkv`` parameter, fitted to
+    ``optimizer`` (built on ``model``); any other state is returned as it is.
+
+    A state dict numbers the parameters of each group in the order the group lists them. In an
+    older run each fused ``qkv`` was two parameters, ``q`` then ``kv``, in its place in the same
+    group (same kind, same layer), so a group of the older run is this one with each ``qkv``
+    counted twice. Their per-parameter tensors (``exp_avg``, ``exp_avg_sq``, a momentum) are
+    stacked row-wise as the weights are; their step counts are equal and kept.
+    """
+    parts = unfused_qkv_names(model)
+    saved = state.get("param_groups", [])
+    if not parts or len(saved) != len(optimizer.param_groups):
+        return state
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    groups = [[name_of.get(id(p), "") for p in g["params"]] for g in optimizer.param_groups]
+    older = [sum(2 if n in parts else 1 for n in names) for names in groups]
+    if [len(g["params"]) for g in saved] != older or older == [len(n) for n in groups]:
+        return state
+    old_state, new_state, new_groups, index = state["state"], {}, [], 0
+    for names, group in zip(groups, saved, strict=True):
+        ids, taken = [], iter(group["params"])
+        for n in names:
+            olds = [next(taken) for _ in range(2 if n in parts else 1)]
+            entries = [old_state.get(i) for i in olds]
+            if all(e is not None for e in entries):
+                new_state[index] = _stacked(entries) if len(entries) == 2 else entries[0]
+            ids.append(index)
+            index += 1
+        new_groups.append({**group, "params": ids})
+    return {"state": new_state, "param_groups": new_groups}
+
+
+def _stacked(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One parameter's optimizer state from its q and kv parts' (rows stacked)."""
+    q, kv = entries
+    return {
+        k: torch.cat([v, kv[k]]) if isinstance(v, torch.Tensor) and v.ndim > 0 else v
+        for k, v in q.items()
+    }
 
 
 class ModelEma:

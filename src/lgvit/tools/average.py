@@ -42,6 +42,7 @@ def average_weights(states: Sequence[dict[str, Tensor]], names: Sequence[str]) -
     with the same shapes."""
     if not states:
         raise LgvitError("nothing to average: no checkpoints given")
+    states = _one_qkv_layout(states)
     first, sums = states[0], {}
     for state, name in zip(states, names, strict=True):
         if state.keys() != first.keys():
@@ -57,6 +58,23 @@ def average_weights(states: Sequence[dict[str, Tensor]], names: Sequence[str]) -
     out = {}
     for k, v in states[-1].items():
         out[k] = (sums[k] / len(states)).to(v.dtype) if k in sums else v.clone()
+    return out
+
+
+def _one_qkv_layout(states: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+    """A run resumed across the q/k/v fusion keeps epochs of both layouts: an older state's
+    ``q`` + ``kv`` rows are stacked into ``qkv`` where another state holds that ``qkv`` (as the
+    models' load hook does; spatial-reduction attention keeps ``q`` and ``kv`` everywhere)."""
+    fused = {k for state in states for k in state if k.endswith((".qkv.weight", ".qkv.bias"))}
+    out = []
+    for state in states:
+        state = dict(state)
+        for k in fused:
+            head, _, part = k.rpartition(".qkv.")
+            q, kv = f"{head}.q.{part}", f"{head}.kv.{part}"
+            if k not in state and q in state and kv in state:
+                state[k] = torch.cat([state.pop(q), state.pop(kv)])
+        out.append(state)
     return out
 
 

@@ -189,6 +189,19 @@ def _explicit_attention(
     return a.to(v.dtype) @ v
 
 
+def stacked_linear(*parts: nn.Linear) -> nn.Linear:
+    """One Linear computing ``parts`` at once (their rows stacked), their initial values kept;
+    ``row_parts`` lets a later initialisation draw each part's rows as it drew the part's."""
+    with torch.device("meta"):  # no draw from the random stream: the parts have drawn
+        out = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts),
+                        bias=parts[0].bias is not None)  # fmt: skip
+    out.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]))
+    if out.bias is not None:
+        out.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]))
+    out.row_parts = tuple(p.out_features for p in parts)
+    return out
+
+
 class RelativePositionBias(nn.Module):
     """Learned bias per head for every relative offset inside an ``H x W`` token grid.
 
@@ -315,8 +328,8 @@ class Attention(nn.Module):
         # LSA's shifted variants).
         self.fused = self.fuse_qkv and sr_ratio == 1
         ckv = 2 * kv_heads * self.head_dim
-        if self.fused:
-            self.qkv = nn.Linear(dim, dim + ckv, bias=qkv_bias)
+        if self.fused:  # drawn as q then kv: a seed gives the weights it gave before the fusion
+            self.qkv = stacked_linear(nn.Linear(dim, dim, qkv_bias), nn.Linear(dim, ckv, qkv_bias))
         else:
             self.q = nn.Linear(dim, dim, bias=qkv_bias)
             self.kv = nn.Linear(dim, ckv, bias=qkv_bias)
@@ -388,6 +401,30 @@ class Attention(nn.Module):
 # at run time).
 torch.fx.wrap("multihead_sdpa")
 torch.fx.wrap("relative_bias")
+
+
+def unfused_qkv_names(model: nn.Module) -> dict[str, tuple[str, str]]:
+    """Each fused ``qkv`` parameter of ``model`` -> the ``q`` and ``kv`` parameters lgvit
+    stored in its place before the fusion (their rows, in that order, are ``qkv``'s). What a
+    resumed run needs to carry an older run's optimizer state and weight average over."""
+    names: dict[str, tuple[str, str]] = {}
+    for prefix, m in model.named_modules():
+        if isinstance(m, Attention) and m.fused:
+            p = f"{prefix}." if prefix else ""
+            for part in ("weight", "bias"):
+                if getattr(m.qkv, part) is not None:
+                    names[f"{p}qkv.{part}"] = (f"{p}q.{part}", f"{p}kv.{part}")
+    return names
+
+
+def fuse_older_qkv(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (a state dict of ``model``'s architecture, e.g. a weight average) with an older
+    run's ``q`` + ``kv`` entries stacked into ``qkv``, as the load hook does for weights."""
+    state = dict(state)
+    for fused, (q, kv) in unfused_qkv_names(model).items():
+        if q in state and kv in state and fused not in state:
+            state[fused] = torch.cat([state.pop(q), state.pop(kv)])
+    return state
 
 
 def _default_norm(dim: int) -> nn.Module:

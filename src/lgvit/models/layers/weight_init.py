@@ -17,7 +17,9 @@ def init_vit_weights(module: nn.Module, conv: bool = True) -> None:
     PyTorch's default."""
     kinds = (nn.Linear, nn.Conv2d) if conv else (nn.Linear,)
     if isinstance(module, kinds):
-        trunc_normal_(module.weight, std=0.02)
+        # a stacked Linear (one qkv for q and kv) part by part: the draws of the separate parts
+        for rows in module.weight.split(getattr(module, "row_parts", None) or len(module.weight)):
+            trunc_normal_(rows, std=0.02)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
     elif isinstance(module, nn.LayerNorm | nn.BatchNorm2d):
