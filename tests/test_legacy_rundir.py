@@ -11,7 +11,8 @@ a reader could misread. The old run's q + kv weights and optimizer states are co
 resume fits them to today's one ``qkv`` parameter. Float values differ in rounding, because the
 model's arithmetic may change between versions (fusing the query and key/value projections into
 one matmul changed the epoch-1 loss in the 4th decimal), so the resumed metrics are compared to
-a run of today's code within that noise; that today's resume continues exactly is tests/test_hardening.py's."""
+a run of today's code within that noise; that today's resume continues exactly is
+tests/test_hardening.py's."""
 
 from __future__ import annotations
 
