@@ -18,6 +18,7 @@ from typing import Any
 from lgvit.checkpoints.kinds import DETECTORS
 from lgvit.core.errors import LgvitError
 from lgvit.core.runtime import AMP_MODES, COMPILE_MODES
+from lgvit.data.sources import option_help
 from lgvit.run.config import OPTIMIZERS, SCHEDULES, TrainConfig
 from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES
 from lgvit.tasks.flags import add_task_flags
@@ -218,10 +219,10 @@ TIMM_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model-ema-decay": ("ema_decay", float, "EMA decay per step"),
     "--workers": ("workers", int, "decoding processes (streamed folders, shards, datasets)"),
     "--decode-device": ("decode_device", str, "none | cuda | cpu: streamed JPEGs decoded there"),
-    "--input-key": ("input_key", str, "wds/hfds: image key(s) or column (jpg;png;webp, image)"),
-    "--target-key": ("target_key", str, "wds/hfds: label key or column (cls, label)"),
-    "--train-split": ("train_split", str, "wds/hfds: the split trained on (train)"),
-    "--val-split": ("val_split", str, "wds/hfds: the split evaluated (validation)"),
+    "--input-key": ("input_key", str, option_help("input_key", "image key(s) or column")),
+    "--target-key": ("target_key", str, option_help("target_key", "label key or column")),
+    "--train-split": ("train_split", str, option_help("train_split", "the split trained on")),
+    "--val-split": ("val_split", str, option_help("val_split", "the split evaluated")),
     "--grad-accum-steps": ("grad_accum_steps", int, "micro-batches per optimizer step"),
     "--log-interval": ("log_every", int, "steps between progress lines"),
     "--device": ("device", str, "auto | cpu | cuda"),

@@ -431,21 +431,15 @@ def check_same_classes(
         if diff is not None
         else f"{len(was)} classes then, {len(new)} now"
     )
-    why = _CLASSES_FROM.get(CheckpointRecord.from_meta(meta, stem).dataset or "")
+    from lgvit.data.sources import DATA_SOURCES  # lazily: import lgvit never loads the data
+
+    source = DATA_SOURCES.get(CheckpointRecord.from_meta(meta, stem).dataset or "")
+    why = source.classes_from if source is not None else ""
     raise LgvitError(
         f"--resume {stem}: the data's classes differ from the run's ({where}"
         f"{'; ' + why if why else ''}); start a new run from its weights with "
         f"--initial-checkpoint {stem}"
     )
-
-
-# Where a source's classes come from, so a resume refused for them says what changed.
-_CLASSES_FROM = {
-    "imagefolder": "class folders now sort as timm's, 2 before 10",
-    "wds": "the shards' classes are _info.json's names, else 0..K-1 for their largest label K-1",
-    "hfds": "the classes are the label column's ClassLabel names, else 0..K-1 for its largest "
-    "label K-1",
-}
 
 
 def _torch_load(path: Path) -> Any:

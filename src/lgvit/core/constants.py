@@ -1,5 +1,5 @@
 """Constants shared across lgvit, each defined once: normalisation statistics, the eval crop
-fraction and the image file suffixes lgvit reads."""
+fraction, the data loaders' defaults and the image file suffixes lgvit reads."""
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -10,6 +10,12 @@ CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 
 # Eval: resize to size / CROP_PCT, then centre-crop size (the DeiT/timm default).
 CROP_PCT = 0.875
+
+# The data loaders' defaults, for every task and source (config keys ``workers`` and
+# ``max_bad_fraction``, eval's ``-j``): DataLoader processes decoding a split read while
+# iterating, and the share of unreadable images a split (or a pass) tolerates before stopping.
+DECODE_WORKERS = 2
+MAX_BAD_FRACTION = 0.05
 
 # The largest side of det_scale / seg_scale (config and dense checkpoints): twice the largest a
 # recipe here reaches (mmseg's 2048 at ratio 2.0). The size probe runs at 64 px: [100000,

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lgvit.core.constants import DECODE_WORKERS, MAX_BAD_FRACTION
 from lgvit.core.errors import LgvitError, refuse_deep_nesting
 from lgvit.data.decode import read_image_rgb
 from lgvit.data.segmentation import (
@@ -697,8 +698,8 @@ class DetTrainLoader(EpochLoader):
 
     def __init__(
         self, split: CocoSplit, batch_size: int, seed: int, rank: int = 0, world: int = 1,
-        workers: int = 2, with_masks: bool = False, hflip: float = 0.5,
-        max_bad_fraction: float = 0.05, device: torch.device | str = "cpu",
+        workers: int = DECODE_WORKERS, with_masks: bool = False, hflip: float = 0.5,
+        max_bad_fraction: float = MAX_BAD_FRACTION, device: torch.device | str = "cpu",
     ) -> None:  # fmt: skip
         self.set = _TrainSet(split, seed, with_masks, hflip)
         self.batch_size, self.seed, self.rank, self.world = batch_size, seed, rank, world
@@ -777,7 +778,7 @@ class DetEvalLoader:
     a CUDA ``device``."""
 
     def __init__(
-        self, split: CocoSplit, rank: int = 0, world: int = 1, workers: int = 2,
+        self, split: CocoSplit, rank: int = 0, world: int = 1, workers: int = DECODE_WORKERS,
         max_bad_fraction: float | None = None, device: torch.device | str = "cpu",
     ) -> None:  # fmt: skip
         self.split, self.rank, self.world, self.workers = split, rank, world, workers

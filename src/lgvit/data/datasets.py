@@ -4,7 +4,8 @@ Every loader returns a :class:`DatasetSplits` whose ``train``/``test`` hold ``ui
 shape ``(N, 3, H, W)`` and ``int64`` labels. Augmentation, resizing to the model's input size and
 normalisation (``mean``/``std``, in ``[0, 1]`` units) happen later, on batches.
 
-This module is the front door (:func:`load_dataset`); each source lives in its own module:
+This module is the front door (:func:`load_dataset`); each source lives in its own module,
+with one record in :mod:`lgvit.data.sources` (what it needs, its options, how it opens):
 
 * ``cifar10`` / ``cifar100`` (:mod:`lgvit.data.cifar`): the official python-format archives,
   read with a restricted unpickler, downloaded and md5-checked when no local copy is given.
@@ -36,13 +37,14 @@ from lgvit.core.constants import (
     IMAGE_EXTENSIONS,
     IMAGENET_MEAN,
     IMAGENET_STD,
+    MAX_BAD_FRACTION,
 )
 from lgvit.core.errors import LgvitError
 from lgvit.data.archives import default_cache_dir, safe_extract
-from lgvit.data.builtin import DIGITS_TEST, load_digits, load_synthetic
-from lgvit.data.cifar import CIFAR10_CLASSES, CIFAR_SPECS, load_cifar, safe_unpickle
+from lgvit.data.builtin import DIGITS_TEST
+from lgvit.data.cifar import CIFAR10_CLASSES, safe_unpickle
 from lgvit.data.decode import read_image_rgb
-from lgvit.data.imagefolder import load_class_map, load_imagefolder, load_test_folder
+from lgvit.data.sources import DATA_SOURCES, DATASETS, OPTION_SOURCES, Request
 from lgvit.data.splits import DatasetSplits, FileImageSet, ImageSet
 
 __all__ = [
@@ -56,7 +58,6 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "IMAGE_EXTENSIONS",
-    "SOURCES",
     "STREAM_ABOVE_BYTES",
     "DatasetSplits",
     "FileImageSet",
@@ -69,10 +70,6 @@ __all__ = [
     "safe_extract",
     "safe_unpickle",
 ]
-
-# The names load_dataset accepts: the one list the config and the command line check against.
-DATASETS = ("cifar10", "cifar100", "imagefolder", "wds", "hfds", "digits", "synthetic")
-SOURCES = ("wds", "hfds")  # read from shards or a Hugging Face dataset: need --data-dir
 
 STREAM_ABOVE_BYTES = 4 * 2**30  # an imagefolder whose decoded cache would exceed this streams
 
@@ -89,7 +86,7 @@ def load_dataset(
     img_size: int | None = None,
     cache_dir: str | None = None,
     download: bool = True,
-    max_bad_fraction: float = 0.05,
+    max_bad_fraction: float = MAX_BAD_FRACTION,
     synthetic_size: tuple[int, int] = (512, 128),
     num_classes: int = 10,
     seed: int = 0,
@@ -123,48 +120,15 @@ def load_dataset(
     if not 0.0 <= max_bad_fraction <= 1.0:
         raise LgvitError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction}")
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-
-    if key in CIFAR_SPECS:
-        return load_cifar(key, data_dir, cache, download)
-    if key in SOURCES:
-        keys = dict(input_key=input_key, target_key=target_key)
-        splits = dict(train_split=train_split, val_split=val_split)
-        if key == "wds":
-            from lgvit.data.wds import wds_splits
-
-            return wds_splits(_source_dir(key, data_dir), cache=cache,
-                              max_bad_fraction=max_bad_fraction, **keys, **splits)  # fmt: skip
-        from lgvit.data.hfds import hfds_splits
-
-        return hfds_splits(_source_dir(key, data_dir), max_bad_fraction=max_bad_fraction,
-                           **keys, **splits)  # fmt: skip
-    if key == "imagefolder":
-        if data_dir is None:
-            raise LgvitError(
-                "the imagefolder dataset needs data_dir (--data-dir): a folder with "
-                "train/ and val/ (or test/), or a .tar.gz of one"
-            )
-        return load_imagefolder(
-            Path(data_dir).expanduser(),
-            img_size,
-            cache,
-            max_bad_fraction,
-            stream,
-            stream_above=STREAM_ABOVE_BYTES,
-        )
-    if key == "digits":
-        return load_digits(img_size or 32)
-    return load_synthetic(img_size or 32, synthetic_size, num_classes, seed)
-
-
-def _source_dir(key: str, data_dir: str | None) -> str:
-    """``--data-dir`` of shards or a Hugging Face dataset, which has no default location."""
-    if data_dir is None:
-        what = {"wds": "a folder of .tar shards, a brace pattern (train-{0000..1023}.tar) or "
-                "an _info.json", "hfds": "a dataset saved with save_to_disk, or a folder of "
-                "parquet or arrow files named by split"}[key]  # fmt: skip
-        raise LgvitError(f"the {key} dataset needs --data-dir: {what}")
-    return str(Path(data_dir).expanduser()) if "{" not in data_dir else data_dir
+    options = dict(input_key=input_key, target_key=target_key, train_split=train_split,
+                   val_split=val_split)  # fmt: skip
+    source = DATA_SOURCES[key]
+    return source.open_train(Request(
+        key, data_dir, cache, img_size=img_size, download=download,
+        max_bad_fraction=max_bad_fraction, synthetic_size=synthetic_size,
+        num_classes=num_classes, seed=seed, stream=stream, stream_above=STREAM_ABOVE_BYTES,
+        options={k: v for k, v in options.items() if k in source.options},
+    ))  # fmt: skip
 
 
 def load_test_split(
@@ -186,30 +150,15 @@ def load_test_split(
     read with ``input_key``/``target_key``. Other datasets: their test split (see
     :func:`load_dataset`)."""
     key = name.strip().lower()
-    if key not in SOURCES and (input_key or target_key or split):
-        raise LgvitError(f"--input-key, --target-key and --split apply to {' and '.join(SOURCES)}"
-                         f", not to the {name} dataset")  # fmt: skip
-    if key in SOURCES:
-        if class_map is not None:
-            raise LgvitError(f"a class map applies to image folders, not to the {name} dataset")
-        keys = dict(input_key=input_key, target_key=target_key, split=split)
-        if key == "wds":
-            from lgvit.data.wds import wds_split
-
-            cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-            return wds_split(_source_dir(key, data_dir), cache=cache, **keys)
-        from lgvit.data.hfds import hfds_split
-
-        return hfds_split(_source_dir(key, data_dir), **keys)
-    if key != "imagefolder":
-        if class_map is not None:
-            raise LgvitError(f"a class map applies to image folders, not to the {name} dataset")
+    source = DATA_SOURCES.get(key)
+    if (input_key or target_key or split) and not (source and source.options):
+        raise LgvitError(f"--input-key, --target-key and --split apply to "
+                         f"{' and '.join(OPTION_SOURCES)}, not to the {name} dataset")  # fmt: skip
+    if class_map is not None and not (source and source.class_map):
+        raise LgvitError(f"a class map applies to image folders, not to the {name} dataset")
+    if source is None or source.open_test is None:
         return load_dataset(name, data_dir, img_size=img_size, cache_dir=cache_dir).test
-    if data_dir is None:
-        raise LgvitError(
-            "the imagefolder dataset needs --data-dir: a folder with val/ (or test/), or a "
-            "folder of class folders, or a .tar.gz of one"
-        )
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    mapping = load_class_map(Path(class_map).expanduser()) if class_map is not None else None
-    return load_test_folder(Path(data_dir).expanduser(), cache, mapping)
+    options = dict(input_key=input_key, target_key=target_key, split=split)
+    return source.open_test(Request(key, data_dir, cache, img_size, class_map=class_map,
+                                    options=options if source.options else {}))  # fmt: skip

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from lgvit.core.constants import DECODE_WORKERS
 from lgvit.core.errors import LgvitError
 from lgvit.data.decode import TURNED_ORIENTATIONS, exif_orientation, read_image_rgb
 
@@ -459,7 +460,7 @@ class SegTrainLoader(EpochLoader):
 
     def __init__(
         self, split: SegSplit, aug: SegAugment, batch_size: int, seed: int, rank: int = 0,
-        world: int = 1, workers: int = 2, device: torch.device | str = "cpu",
+        world: int = 1, workers: int = DECODE_WORKERS, device: torch.device | str = "cpu",
     ) -> None:  # fmt: skip
         self.set = _TrainSet(split, aug, seed)
         self.batch_size, self.seed, self.rank, self.world = batch_size, seed, rank, world
@@ -494,7 +495,7 @@ class SegEvalLoader:
 
     def __init__(
         self, split: SegSplit, scale: Sequence[int], rank: int = 0, world: int = 1,
-        workers: int = 2, device: torch.device | str = "cpu",
+        workers: int = DECODE_WORKERS, device: torch.device | str = "cpu",
     ) -> None:  # fmt: skip
         self.split, self.scale, self.rank, self.world = split, tuple(scale), rank, world
         self.workers, self.pin = workers, pins(device)

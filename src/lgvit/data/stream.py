@@ -12,9 +12,7 @@ stay reproducible and resumable.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,38 +21,15 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from lgvit.core.constants import DECODE_WORKERS, MAX_BAD_FRACTION
 from lgvit.core.errors import LgvitError
 from lgvit.data.decode import load_rgb
 from lgvit.data.device_decode import EncodedBatch, device_decoder
 from lgvit.data.loader import AugmentConfig, BatchLoader, BatchRecipe, RecipeLoader, _seed
 from lgvit.data.segmentation import own_generator
+from lgvit.data.sources import own_loader
 from lgvit.data.splits import FileImageSet, ImageSet, SampleSet
-from lgvit.data.transforms import resize_center_crop
-
-
-def random_resized_box(
-    width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float], rng: Any
-) -> tuple[int, int, int, int]:
-    """torchvision's RandomResizedCrop box (left, top, right, bottom): 10 tries, then center."""
-    area = width * height
-    log_r = (math.log(ratio[0]), math.log(ratio[1]))
-    for _ in range(10):
-        target = area * rng.uniform(*scale)
-        aspect = math.exp(rng.uniform(*log_r))
-        w = round(math.sqrt(target * aspect))
-        h = round(math.sqrt(target / aspect))
-        if 0 < w <= width and 0 < h <= height:
-            top, left = rng.randint(0, height - h), rng.randint(0, width - w)
-            return left, top, left + w, top + h
-    in_ratio = width / height
-    if in_ratio < ratio[0]:
-        w, h = width, round(width / ratio[0])
-    elif in_ratio > ratio[1]:
-        w, h = round(height * ratio[1]), height
-    else:
-        w, h = width, height
-    left, top = (width - w) // 2, (height - h) // 2
-    return left, top, left + w, top + h
+from lgvit.data.transforms import random_resized_box, resize_center_crop
 
 
 class _DecodeBatches(Dataset):
@@ -143,8 +118,8 @@ class StreamingLoader(RecipeLoader):
         samples: SampleSet,
         batch_size: int,
         *,
-        workers: int = 2,
-        max_bad_fraction: float = 0.05,
+        workers: int = DECODE_WORKERS,
+        max_bad_fraction: float = MAX_BAD_FRACTION,
         aug: AugmentConfig | None = None,
         decode_device: torch.device | str | None = None,
         **kwargs: Any,
@@ -218,20 +193,17 @@ def make_loader(
     split: ImageSet | FileImageSet | Any,
     batch_size: int,
     *,
-    workers: int = 2,
-    max_bad_fraction: float = 0.05,
+    workers: int = DECODE_WORKERS,
+    max_bad_fraction: float = MAX_BAD_FRACTION,
     **kwargs: Any,
 ) -> BatchLoader | StreamingLoader | Any:
-    """A :class:`BatchLoader` for a decoded split, a ``ShardLoader`` for WebDataset shards
-    (:mod:`lgvit.data.wds`), a :class:`StreamingLoader` for a split read sample by sample (a
-    file list, a Hugging Face dataset)."""
-    shards = sys.modules.get("lgvit.data.wds")  # a ShardSet exists once its module is imported
-    if shards is not None and isinstance(split, shards.ShardSet):
-        return shards.ShardLoader(
-            split, batch_size, workers=workers, max_bad_fraction=max_bad_fraction, **kwargs
-        )
-    if not isinstance(split, ImageSet):
-        return StreamingLoader(
+    """The loader its source brings for ``split`` (WebDataset shards: a ``ShardLoader``,
+    :mod:`lgvit.data.wds`), else a :class:`BatchLoader` for a decoded split and a
+    :class:`StreamingLoader` for a split read sample by sample (a file list, a Hugging Face
+    dataset)."""
+    loader = own_loader(split) or (StreamingLoader if not isinstance(split, ImageSet) else None)
+    if loader is not None:
+        return loader(
             split, batch_size, workers=workers, max_bad_fraction=max_bad_fraction, **kwargs
         )
     kwargs.pop("decode_device", None)  # decoded once into memory: nothing to decode per pass

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,6 +73,7 @@ __all__ = [
     "rand_augment",
     "random_crop_flip",
     "random_erasing",
+    "random_resized_box",
     "random_resized_crop",
     "INTERPOLATIONS",
     "resize_center_crop",
@@ -260,6 +262,33 @@ INTERPOLATIONS = {
     "bilinear": TF.InterpolationMode.BILINEAR,
     "nearest": TF.InterpolationMode.NEAREST_EXACT,  # PIL's nearest (timm's), not legacy torch's
 }
+
+
+def random_resized_box(
+    width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float], rng: Any
+) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop box (left, top, right, bottom): 10 tries, then center.
+    One image's, drawn with a ``random.Random`` where its file is decoded (a streamed split's
+    workers, a shard's); :func:`random_resized_crop` draws a whole batch's."""
+    area = width * height
+    log_r = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_r))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            top, left = rng.randint(0, height - h), rng.randint(0, width - w)
+            return left, top, left + w, top + h
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif in_ratio > ratio[1]:
+        w, h = round(height * ratio[1]), height
+    else:
+        w, h = width, height
+    left, top = (width - w) // 2, (height - h) // 2
+    return left, top, left + w, top + h
 
 
 def _resize(x: torch.Tensor, hw: tuple[int, int], interpolation: str = "bicubic") -> torch.Tensor:

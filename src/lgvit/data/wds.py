@@ -47,15 +47,20 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lgvit.core.atomic import atomic_write_json
-from lgvit.core.constants import IMAGENET_MEAN, IMAGENET_STD, MAX_CLASSES
+from lgvit.core.constants import (
+    DECODE_WORKERS,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    MAX_BAD_FRACTION,
+    MAX_CLASSES,
+)
 from lgvit.core.errors import LgvitError, refuse_deep_nesting
 from lgvit.data.decode import load_rgb
 from lgvit.data.device_decode import EncodedBatch, device_decoder
 from lgvit.data.loader import AugmentConfig, BatchRecipe, RecipeLoader, _seed
 from lgvit.data.segmentation import own_generator
 from lgvit.data.splits import DatasetSplits
-from lgvit.data.stream import random_resized_box
-from lgvit.data.transforms import resize_center_crop
+from lgvit.data.transforms import random_resized_box, resize_center_crop
 
 __all__ = ["DEFAULT_INPUT_KEY", "DEFAULT_TARGET_KEY", "SHUFFLE", "ShardLoader", "ShardSet",
            "wds_split", "wds_splits"]  # fmt: skip
@@ -757,8 +762,8 @@ class ShardLoader(RecipeLoader):
         split: ShardSet,
         batch_size: int,
         *,
-        workers: int = 2,
-        max_bad_fraction: float = 0.05,
+        workers: int = DECODE_WORKERS,
+        max_bad_fraction: float = MAX_BAD_FRACTION,
         aug: AugmentConfig | None = None,
         shuffle: int = SHUFFLE,
         decode_device: torch.device | str | None = None,

@@ -27,15 +27,16 @@ import yaml
 
 from lgvit.checkpoints.kinds import DETECTORS
 from lgvit.core.atomic import atomic_write_bytes
-from lgvit.core.constants import CROP_PCT, MAX_DENSE_SCALE
+from lgvit.core.constants import CROP_PCT, DECODE_WORKERS, MAX_BAD_FRACTION, MAX_DENSE_SCALE
 from lgvit.core.errors import LgvitError, first_line
 from lgvit.core.runtime import AMP_MODES, COMPILE_MODES
 from lgvit.data.coco import COCO_DATASETS, DET_SCALE
-from lgvit.data.datasets import DATASETS, SOURCES
+from lgvit.data.datasets import DATASETS
 from lgvit.data.device_decode import DECODE_DEVICES
 from lgvit.data.recipe import DEIT_RECIPE as _R
 from lgvit.data.recipe import RE_MODES, TRAIN_CROPS
 from lgvit.data.segmentation import SEG_DATASETS, SEG_SCALE
+from lgvit.data.sources import DATA_SOURCES, OPTION_KEYS, sources_taking
 from lgvit.run.loggers import LOGGERS
 from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES, TASKS, TTA_MODES, get_task
 
@@ -82,7 +83,8 @@ class TrainConfig:
     data: str = "cifar10"  # cifar10 | cifar100 | imagefolder | digits | synthetic | ade20k | ...
     data_dir: str | None = None  # archive or folder of the data (cifar: downloaded if None)
     cache_dir: str | None = None  # where decoded uint8 images are cached (~/.cache/lgvit)
-    max_bad_fraction: float = 0.05  # unreadable images tolerated per split before stopping
+    # unreadable images tolerated per split before stopping
+    max_bad_fraction: float = MAX_BAD_FRACTION
     stream: bool | None = None  # imagefolder: None = stream from files when too big to cache
     # classification: the decoded splits' uint8 images moved to the device once, batches
     # indexed and augmented there (no host work per batch); CIFAR-sized data on a GPU
@@ -162,7 +164,7 @@ class TrainConfig:
     deterministic: bool = False
     grad_checkpointing: bool = False  # recompute block activations in backward (less memory)
     seed: int = 0  # data order, augmentation and initialisation
-    workers: int = 2  # decoding processes when an image folder streams from its files
+    workers: int = DECODE_WORKERS  # decoding processes when an image folder streams from its files
     # none | cuda | cpu: a streamed split's JPEGs decoded and cropped there, not by PIL in the
     # workers (lgvit.data.device_decode); in-memory splits are decoded once, unaffected
     decode_device: str = "none"
@@ -621,16 +623,17 @@ def _validate_task(cfg: TrainConfig, fail: Any) -> None:
 
 def _validate_sources_and_run(cfg: TrainConfig, fail: Any) -> None:
     """The data source's keys, the loggers and the fine-tuning decay."""
-    if cfg.data in (*SOURCES, "imagefolder") and not cfg.data_dir:
+    source = DATA_SOURCES.get(cfg.data)  # None: a dense task's dataset (its own checks)
+    if source is not None and source.needs_dir and not cfg.data_dir:
         fail("data_dir", f"data={cfg.data} needs data_dir")
     if cfg.data_on_device and cfg.task != DEFAULT_TASK:
         fail("data_on_device", f"applies to task={DEFAULT_TASK}, not task={cfg.task}")
-    if cfg.data_on_device and (cfg.data in SOURCES or cfg.stream):
+    if cfg.data_on_device and ((source is not None and source.streamed) or cfg.stream):
         how = "stream=true: the files are" if cfg.stream else f"data={cfg.data} is"
         fail("data_on_device", f"needs a split decoded into memory ({how} read while training)")
-    for key in ("input_key", "target_key", "train_split", "val_split"):
-        if getattr(cfg, key) is not None and cfg.data not in SOURCES:
-            fail(key, f"applies to data={' or '.join(SOURCES)}, not {cfg.data}")
+    for key in OPTION_KEYS:
+        if getattr(cfg, key) is not None and (source is None or key not in source.options):
+            fail(key, f"applies to data={' or '.join(sources_taking(key))}, not {cfg.data}")
     bad = [name for name in cfg.log_to if name not in LOGGERS]
     if bad or len(set(cfg.log_to)) != len(cfg.log_to):
         fail("log_to", f"must be a list of distinct names from {', '.join(LOGGERS)}")

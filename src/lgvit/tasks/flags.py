@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from lgvit.core.constants import DECODE_WORKERS
 from lgvit.core.errors import LgvitError
 from lgvit.tasks import TASKS, TaskSpec
 
@@ -24,8 +25,8 @@ COMMANDS = {"eval": "EVAL_FLAGS", "predict": "PREDICT_FLAGS"}
 
 
 class Flag:
-    """One option as ``argparse.add_argument`` takes it: ``Flag("-j", "--workers", type=int,
-    default=2, help=...)``. ``default`` is the task's; the parser itself defaults to absent."""
+    """One option as ``argparse.add_argument`` takes it: ``Flag("--batch-size", type=int,
+    default=128, help=...)``. ``default`` is the task's; the parser itself defaults to absent."""
 
     def __init__(self, *names: str, **kwargs: Any) -> None:
         self.names = names
@@ -48,6 +49,11 @@ class Flag:
     def choices(self) -> tuple[Any, ...] | None:
         c = self.kwargs.get("choices")
         return None if c is None else tuple(c)
+
+
+# Every task's eval reads -j: one declaration, with the loaders' default.
+WORKERS_FLAG = Flag("-j", "--workers", type=int, default=DECODE_WORKERS,
+                    help="decoding processes for an image folder")  # fmt: skip
 
 
 def finite_float(

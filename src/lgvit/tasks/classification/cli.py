@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from lgvit.core.errors import LgvitError
+from lgvit.data.sources import option_help
 from lgvit.tasks import get_task
-from lgvit.tasks.flags import Flag, finite_float
+from lgvit.tasks.flags import WORKERS_FLAG, Flag, finite_float
 
 TTA_HELP = ("flip: average the logits of each image and its mirror image; flip-translate: also "
             "of the two one-pixel shifts and their mirror images (six views)")  # fmt: skip
@@ -28,12 +29,12 @@ EVAL_FLAGS = (
          help="ImageNet-ReaL's real.json: also report ReaL top-1/top-5"),
     Flag("--predictions", metavar="FILE",
          help="a CSV: image, label, top-5 classes and probabilities"),
-    Flag("--input-key", help="wds/hfds: image key(s) of a sample or image column (default: "
-         "jpg;png;webp, image)"),
-    Flag("--target-key", help="wds/hfds: label key or column (default: cls, label)"),
-    Flag("--split", help="wds/hfds: the split to evaluate (default: validation)"),
+    Flag("--input-key", help=option_help("input_key", "image key(s) of a sample or image "
+                                         "column", "default: ")),
+    Flag("--target-key", help=option_help("target_key", "label key or column", "default: ")),
+    Flag("--split", help=option_help("val_split", "the split to evaluate", "default: ")),
     Flag("--batch-size", type=int, default=128, help="images per batch"),
-    Flag("-j", "--workers", type=int, default=2, help="decoding processes for an image folder"),
+    WORKERS_FLAG,
     Flag("--tta", choices=get_task("classification").eval_tta, default="none", help=TTA_HELP),
     Flag("--any-classes", action="store_true",
          help="evaluate even if the checkpoint's class names differ from the data's"),

@@ -23,6 +23,7 @@ from lgvit.core.runtime import Dist, autocast, barrier
 from lgvit.data.datasets import DatasetSplits, load_dataset
 from lgvit.data.device_decode import decode_device
 from lgvit.data.loader import AugmentConfig
+from lgvit.data.sources import OPTION_KEYS
 from lgvit.data.splits import splits_on_device
 from lgvit.data.stream import make_loader
 from lgvit.data.transforms import soft_target_cross_entropy
@@ -62,8 +63,8 @@ def build_data(cfg: TrainConfig, img_size: int, d: Dist) -> DatasetSplits:
         seed=cfg.seed,
         stream=cfg.stream,
     )
-    for key in ("input_key", "target_key", "train_split", "val_split"):
-        if getattr(cfg, key) is not None:  # validated: wds and hfds only
+    for key in OPTION_KEYS:
+        if getattr(cfg, key) is not None:  # validated: only the sources taking it
             kw[key] = getattr(cfg, key)
     if cfg.data == "synthetic" and cfg.num_classes:
         kw["num_classes"] = cfg.num_classes

@@ -13,13 +13,13 @@ from PIL import Image, ImageDraw
 from lgvit.checkpoints.kinds import DETECTORS, detector_spec
 from lgvit.core.errors import LgvitError
 from lgvit.tasks import get_task
-from lgvit.tasks.flags import Flag, finite_float
+from lgvit.tasks.flags import WORKERS_FLAG, Flag, finite_float
 
 _DETECTOR = dict(choices=DETECTORS,
                  help="the detector of an authors' mmdet .pth (with --model)")  # fmt: skip
 EVAL_FLAGS = (
     Flag("--cache-dir", help="where an image folder's decoded images are cached"),
-    Flag("-j", "--workers", type=int, default=2, help="decoding processes for an image folder"),
+    WORKERS_FLAG,
     Flag("--predictions", metavar="FILE",
          help="the detections in COCO's results format (JSON; masks in FILE.segm.json)"),
     Flag("--detector", **_DETECTOR),

@@ -12,11 +12,11 @@ from PIL import Image
 
 from lgvit.core.errors import LgvitError
 from lgvit.tasks import get_task
-from lgvit.tasks.flags import Flag
+from lgvit.tasks.flags import WORKERS_FLAG, Flag
 
 EVAL_FLAGS = (
     Flag("--cache-dir", help="where an image folder's decoded images are cached"),
-    Flag("-j", "--workers", type=int, default=2, help="decoding processes for an image folder"),
+    WORKERS_FLAG,
     Flag("--tta", choices=get_task("segmentation").eval_tta, default="none",
          help="flip: mmseg's flip test (the mean softmax of each image and its mirror image)"),
     Flag("--any-classes", action="store_true",
