@@ -17,9 +17,10 @@ from test_train import ENV, FAST
 
 import lgvit
 from lgvit.checkpoints.files import load_metadata, save_checkpoint
+from lgvit.checkpoints.run_layout import RunLayout
 from lgvit.cli import main
 from lgvit.core.errors import LgvitError
-from lgvit.run.kept import KEPT_DIR, KEPT_INDEX, keep_epoch, kept_checkpoints
+from lgvit.run.kept import keep_epoch, kept_checkpoints
 from lgvit.tools.average import average_weights
 
 
@@ -113,13 +114,13 @@ def test_kept_epochs_the_best_n_atomically(tmp_path):
     assert [(r["epoch"], r["metric"]) for r in rows] == [(3, 80.0), (1, 70.0)]
     assert load_file(rows[0]["weights"])["w"].tolist() == [80.0, 80.0]
     assert rows[0]["ema"].name == "epoch-0004_ema.safetensors"
-    names = sorted(p.name for p in (tmp_path / KEPT_DIR).iterdir())
+    names = sorted(p.name for p in RunLayout(tmp_path).kept_dir.iterdir())
     assert names == [
         "epoch-0002.safetensors",
         "epoch-0002_ema.safetensors",
         "epoch-0004.safetensors",
         "epoch-0004_ema.safetensors",
-        KEPT_INDEX,
+        RunLayout.KEPT_INDEX,
     ]
 
 

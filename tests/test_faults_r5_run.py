@@ -21,8 +21,8 @@ from test_faults_r4_run import SYN, _one_line, _train
 from test_train import ENV
 
 from lgvit.checkpoints.files import load_metadata
+from lgvit.checkpoints.run_layout import RunLayout
 from lgvit.cli import main
-from lgvit.run.kept import KEPT_DIR, KEPT_INDEX
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +107,8 @@ def test_average_out_over_a_runs_checkpoint_or_kept_epochs_is_refused(two, capsy
 
 def test_an_empty_kept_index_is_named(tmp_path, capsys):
     """It said "nothing to average: no checkpoints given"."""
-    (tmp_path / KEPT_DIR).mkdir()
-    index = tmp_path / KEPT_DIR / KEPT_INDEX
+    RunLayout(tmp_path).kept_dir.mkdir()
+    index = RunLayout(tmp_path).kept_index
     index.write_text("[]")
     out = tmp_path / "avg.safetensors"
     code = main(["average", str(tmp_path), "--out", str(out)])
@@ -336,7 +336,7 @@ def test_keep_best_with_an_ema_ranks_by_the_emas_top1(tmp_path):
     _train([*SYN, "--epochs", "3", "--model-ema", "--model-ema-decay", "0.5",
             "--set", "keep_best=2", "--out", str(out)])  # fmt: skip
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    index = json.loads((out / KEPT_DIR / KEPT_INDEX).read_text())
+    index = json.loads(RunLayout(out).kept_index.read_text())
     want = sorted(rows, key=lambda r: -r["test_ema_acc1"])[:2]
     assert [r["epoch"] for r in index] == [r["epoch"] for r in want]
     assert [r["metric"] for r in index] == [r["test_ema_acc1"] for r in want]
@@ -344,4 +344,4 @@ def test_keep_best_with_an_ema_ranks_by_the_emas_top1(tmp_path):
     # without an EMA: the model's own top-1
     plain = tmp_path / "plain"
     _train([*SYN, "--epochs", "2", "--set", "keep_best=1", "--out", str(plain)])
-    assert json.loads((plain / KEPT_DIR / KEPT_INDEX).read_text())[0]["ranked_by"] == "test_acc1"
+    assert json.loads(RunLayout(plain).kept_index.read_text())[0]["ranked_by"] == "test_acc1"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lgvit.checkpoints.kinds import DETECTORS
+from lgvit.checkpoints.run_layout import WEIGHTS_SUFFIX, RunLayout
 from lgvit.core.errors import LgvitError
 from lgvit.core.runtime import AMP_MODES, COMPILE_MODES
 from lgvit.data.sources import option_help
@@ -383,7 +384,7 @@ def _add_export(sub: Any) -> None:
     )
     p.add_argument(
         "source",
-        help="a checkpoint (runs/x/best, .safetensors), local-dir:DIR, "
+        help=f"a checkpoint (runs/x/{RunLayout.BEST}, {WEIGHTS_SUFFIX}), local-dir:DIR, "
         "hf-hub:ORG/NAME, or a model name (random weights)",
     )
     p.add_argument("--format", required=True, choices=FORMATS)
@@ -434,7 +435,7 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--epochs", type=int)
     p.add_argument("--iters", type=int, help="an iteration budget instead of --epochs")
     p.add_argument("--batch-size", type=int, help="per process")
-    p.add_argument("--out", help="run directory (config, metrics.jsonl, checkpoints, log)")
+    p.add_argument("--out", help=f"run directory (config, {RunLayout.METRICS}, checkpoints, log)")
     p.add_argument("--config", help="a shipped config's name (`lgvit configs` lists them) "
                    "or a YAML file of config keys")  # fmt: skip
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
@@ -487,8 +488,8 @@ def _add_eval(sub: Any) -> None:
     p.add_argument(
         "--checkpoint",
         required=True,
-        help="runs/x/best, a .safetensors or .pth file, weights NAME.TAG, or a save_pretrained "
-        "folder (DIR, DIR/model.safetensors, local-dir:DIR, hf-hub:ORG/NAME)",
+        help=f"runs/x/{RunLayout.BEST}, a {WEIGHTS_SUFFIX} or .pth file, weights NAME.TAG, or a "
+        "save_pretrained folder (DIR, DIR/model.safetensors, local-dir:DIR, hf-hub:ORG/NAME)",
     )
     p.add_argument("--model", help="default: the name stored in the checkpoint")
     p.add_argument("--data", required=True, choices=ALL_DATASETS)
@@ -537,7 +538,7 @@ def _add_average(sub: Any) -> None:
     p.add_argument("--best", type=int, help="the N best kept epochs of the run (default: all)")
     p.add_argument("--no-ema", action="store_true",
                    help="the kept epochs' weights, not their EMA weights")  # fmt: skip
-    p.add_argument("--out", required=True, help="the averaged .safetensors file")
+    p.add_argument("--out", required=True, help=f"the averaged {WEIGHTS_SUFFIX} file")
     p.set_defaults(func=cmd_average)
 
 
@@ -547,7 +548,8 @@ def _add_plot(sub: Any) -> None:
     p = sub.add_parser(
         "plot", help="training curves of runs, overlaid: top-1, top-5, training loss per epoch"
     )
-    p.add_argument("run_dirs", nargs="+", metavar="RUN", help="run directories (metrics.jsonl)")
+    runs = f"run directories ({RunLayout.METRICS})"
+    p.add_argument("run_dirs", nargs="+", metavar="RUN", help=runs)
     kinds = _one_of([f.lstrip(".").upper() for f in FORMATS])
     p.add_argument("--out", help=f"{kinds} (default: RUN/{DEFAULT_OUT}, or ./{DEFAULT_OUT})")
     p.add_argument("--labels", help="comma-separated legend names (default: directory names)")
@@ -566,7 +568,8 @@ def _add_viz(sub: Any) -> None:
         "pixel's attention per head at the first and last block of every stage, averaged over "
         "the images, and the last stage's attention rollout.",
     )
-    p.add_argument("checkpoint", help="checkpoint (runs/x/best), local-dir:/hf-hub:, or a name")
+    source = f"checkpoint (runs/x/{RunLayout.BEST}), local-dir:/hf-hub:, or a name"
+    p.add_argument("checkpoint", help=source)
     p.add_argument("images", nargs="+")
     p.add_argument("--what", required=True, choices=KINDS)
     p.add_argument("--out", default="viz", help="output directory (default: viz)")

@@ -50,6 +50,7 @@ from lgvit.checkpoints.record import (
     is_rgb,
     is_size,
 )
+from lgvit.checkpoints.run_layout import STATE_SUFFIX, WEIGHTS_SUFFIX, RunLayout, checkpoint_paths
 from lgvit.core.atomic import (
     atomic_save,
     atomic_save_safetensors,
@@ -100,8 +101,6 @@ __all__ = [
     "state_dict_to_cpu",
 ]
 
-WEIGHTS_SUFFIX = ".safetensors"
-STATE_SUFFIX = ".state.pt"
 PAIR_ID_KEY = "lgvit_pair_id"  # safetensors metadata key; also a top-level key of the state file
 _STATE_FORMAT_KEY = "lgvit_state_format"
 _STATE_FORMAT = 1
@@ -251,21 +250,6 @@ def build_train_state(
 # --------------------------------------------------------------------------- saving
 
 
-def _strip_known_suffix(path: str | Path) -> Path:
-    path = Path(path)
-    for suffix in (WEIGHTS_SUFFIX, STATE_SUFFIX):
-        if path.name.endswith(suffix) and len(path.name) > len(suffix):
-            return path.with_name(path.name[: -len(suffix)])
-    return path
-
-
-def checkpoint_paths(stem: str | Path) -> tuple[Path, Path]:
-    """``(weights_path, state_path)`` of a checkpoint stem (a trailing suffix is tolerated)."""
-    stem = _strip_known_suffix(stem)
-    # String concatenation, not with_suffix: stems like "ep1.5" contain dots.
-    return stem.with_name(stem.name + WEIGHTS_SUFFIX), stem.with_name(stem.name + STATE_SUFFIX)
-
-
 def save_checkpoint(
     stem: str | Path,
     model_state: Mapping[str, Tensor],
@@ -342,7 +326,7 @@ def save_error(out: Path, e: BaseException) -> LgvitError:
         reason = last_line(e)
     kept = (
         "the previous checkpoint there is kept and still loads"
-        if checkpoint_paths(out / "last")[0].exists()
+        if RunLayout(out).last_weights.exists()
         else "no checkpoint had been saved there yet"
     )
     return LgvitError(f"saving the checkpoint to {out} failed: {reason}; {kept}")
@@ -466,8 +450,8 @@ def _resolve_weights_path(path: Path) -> Path:
             raise LgvitError(f"{path}: is a directory; pass one of the files it holds: "
                              f"{', '.join(found)}")  # fmt: skip
         raise LgvitError(
-            f"{path}: is a directory with no checkpoint in it (pass a run's {path / 'last'} or "
-            f"{path / 'best'}, a weights file, or a save_pretrained folder)"
+            f"{path}: is a directory with no checkpoint in it (pass a run's {RunLayout(path).last} "
+            f"or {RunLayout(path).best}, a weights file, or a save_pretrained folder)"
         )
     for suffix in (WEIGHTS_SUFFIX, ".pt", ".pth"):
         candidate = path.with_name(path.name + suffix)

@@ -32,6 +32,7 @@ from lgvit.checkpoints.files import (
     save_error,
     state_dict_to_cpu,
 )
+from lgvit.checkpoints.run_layout import RunLayout
 from lgvit.core.atomic import atomic_save_safetensors, atomic_write_bytes
 from lgvit.core.errors import LgvitError
 from lgvit.core.progress import RunClock, StepProgress, format_duration, on_terminal
@@ -376,12 +377,12 @@ class Run:
         )  # fmt: skip
         meta = self.prepared.metadata
         weights = state_dict_to_cpu(self.model.state_dict())
-        save_checkpoint(self.out / "last", weights, state, metadata=meta)
+        save_checkpoint(RunLayout(self.out).last, weights, state, metadata=meta)
         if is_best:
-            save_checkpoint(self.out / "best", weights, state, metadata=meta)
+            save_checkpoint(RunLayout(self.out).best, weights, state, metadata=meta)
         if o.ema is not None:  # the EMA weights alone: `lgvit eval --checkpoint <out>/last_ema`
             ema_sd = state_dict_to_cpu(o.ema.shadow)
-            atomic_save_safetensors(ema_sd, self.out / "last_ema.safetensors", meta)
+            atomic_save_safetensors(ema_sd, RunLayout(self.out).last_ema, meta)
 
 
 def run(
@@ -473,7 +474,7 @@ def _restore(run: Run, state: dict[str, Any], stem: Path) -> _Position:
         )
     if d.main:
         lines = "".join(json.dumps(h) + "\n" for h in run.history)
-        atomic_write_bytes(run.out / "metrics.jsonl", lines.encode())
+        atomic_write_bytes(RunLayout(run.out).metrics, lines.encode())
     accum = run.cfg.grad_accum_steps  # a mid-epoch checkpoint is at a window's end
     where = (
         f"at epoch {pos.epoch + 1} step {-(-pos.in_epoch.batch // accum)}/{run.steps_per_epoch}"
@@ -527,9 +528,9 @@ def _start(
     amp = resolve_amp(cfg.amp, d.device)
     if d.main:  # written once the run is known to start: a refused start changes nothing
         if stem is None:  # a fresh run: no stale lines from a run that never saved
-            for name in ("metrics.jsonl", "train.log"):
-                (out / name).unlink(missing_ok=True)
-        save_config(cfg, out / "config.yaml")
+            for path in (RunLayout(out).metrics, RunLayout(out).log):
+                path.unlink(missing_ok=True)
+        save_config(cfg, RunLayout(out).config)
     log(
         f"{prepared.description}; {d.world_size} process(es) on {d.device.type}, "
         f"global batch {global_batch_text(cfg, d.world_size)}; amp {amp or 'none'}"
@@ -544,7 +545,7 @@ def _start(
     clock = RunClock(total_steps(cfg, spe), clock_start, spe, task.epoch_cost)
     run = Run(cfg, task, d, out, log, ctl, prepared, amp, opt, net, clock)
     run.loggers = RunLoggers(
-        cfg.log_to, out, d.main, config_to_dict(cfg), (out / "config.yaml").read_text()
+        cfg.log_to, out, d.main, config_to_dict(cfg), RunLayout(out).config.read_text()
         if d.main else "", state["global_step"] if state is not None else None,
         cfg.wandb_project,
     )  # fmt: skip
@@ -645,7 +646,7 @@ def _record(run: Run, metrics: dict[str, Any], step: int) -> None:
     run.history.append(metrics)
     if not run.d.main:
         return
-    with open(run.out / "metrics.jsonl", "a") as f:
+    with open(RunLayout(run.out).metrics, "a") as f:
         f.write(json.dumps(metrics) + "\n")
     run.loggers.scalars(step, epoch_scalars(metrics))
     ranked_by, score = kept_score(metrics, run.task.best_metric)  # the EMA's, when evaluated

@@ -22,22 +22,16 @@ from typing import Any
 
 from torch import Tensor
 
+from lgvit.checkpoints.run_layout import RunLayout
 from lgvit.core.atomic import atomic_save_safetensors, atomic_write_bytes
 from lgvit.core.errors import LgvitError
-
-KEPT_DIR = "kept"
-KEPT_INDEX = "kept.json"
-
-
-def _name(epoch: int, ema: bool) -> str:
-    return f"epoch-{epoch + 1:04d}{'_ema' if ema else ''}.safetensors"
 
 
 def kept_checkpoints(out: str | Path) -> list[dict[str, Any]]:
     """The kept epochs of run directory ``out``, best first: ``epoch`` (from 0), ``metric``,
     ``weights`` and ``ema`` (paths; ``ema`` None without an EMA). A run without them, an
     empty or a damaged index, is one line."""
-    index = Path(out) / KEPT_DIR / KEPT_INDEX
+    index = RunLayout(out).kept_index
     if not index.is_file():
         raise LgvitError(
             f"{out}: no kept checkpoints ({index} is missing): train with --set keep_best=N "
@@ -85,9 +79,9 @@ def keep_epoch(
     """Add ``epoch`` (scored ``metric``, higher is better; ``ranked_by``: the metric's key, as
     :func:`kept_score` names it, recorded in the index) to the ``n`` best kept when it is among
     them; returns the kept epochs, best first."""
-    folder = out / KEPT_DIR
+    folder, index = RunLayout(out).kept_dir, RunLayout(out).kept_index
     try:
-        rows = json.loads((folder / KEPT_INDEX).read_text())
+        rows = json.loads(index.read_text())
     except (OSError, ValueError):  # none yet (a damaged index restarts the history)
         rows = []
     rows = [r for r in rows if r.get("epoch") != epoch]  # an epoch evaluated again on resume
@@ -96,16 +90,17 @@ def keep_epoch(
     keep = ranked[:n]
     if all(r["epoch"] != epoch for r in keep):
         return [r["epoch"] for r in keep]
+    own, own_ema = RunLayout.kept_name(epoch, False), RunLayout.kept_name(epoch, True)
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_save_safetensors(weights, folder / _name(epoch, False), metadata)
+    atomic_save_safetensors(weights, folder / own, metadata)
     if ema is not None:
-        atomic_save_safetensors(ema, folder / _name(epoch, True), metadata)
+        atomic_save_safetensors(ema, folder / own_ema, metadata)
     for r in keep:
         if r["epoch"] == epoch:
-            r.update(weights=_name(epoch, False), ema=_name(epoch, True) if ema else None)
-    atomic_write_bytes(folder / KEPT_INDEX, json.dumps(keep, indent=1).encode())
+            r.update(weights=own, ema=own_ema if ema else None)
+    atomic_write_bytes(index, json.dumps(keep, indent=1).encode())
     named = {r["weights"] for r in keep} | {r["ema"] for r in keep if r.get("ema")}
-    for f in folder.glob("epoch-*.safetensors"):  # fell out of the best n (or never indexed)
+    for f in folder.glob(RunLayout.KEPT_GLOB):  # fell out of the best n (or never indexed)
         if f.name not in named:
             f.unlink(missing_ok=True)
     return [r["epoch"] for r in keep]

@@ -20,12 +20,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lgvit.checkpoints.run_layout import RunLayout
 from lgvit.core.atomic import atomic_write_bytes
 from lgvit.core.errors import LgvitError, first_line
 
 LOGGERS = ("tensorboard", "wandb")  # the values log_to takes
-TENSORBOARD_DIR = "tensorboard"  # <out>/tensorboard: tensorboard --logdir runs/
-WANDB_ID = "wandb_id"  # <out>/wandb_id: the W&B run a resume continues
 
 
 def check_loggers(names: Sequence[str], out: Path | None = None) -> None:
@@ -43,7 +42,7 @@ def check_loggers(names: Sequence[str], out: Path | None = None) -> None:
                 f"log_to {name} needs the {package} package: pip install 'lgvit[{package}]'"
             ) from None
     if "tensorboard" in names and out is not None:
-        _check_tensorboard_dir(Path(out) / TENSORBOARD_DIR)
+        _check_tensorboard_dir(RunLayout(out).tensorboard)
     if "wandb" in names:
         _check_wandb_login()
 
@@ -117,7 +116,7 @@ class RunLoggers:
             from torch.utils.tensorboard import SummaryWriter
 
             purge = start_step + 1 if start_step is not None else None
-            self.tb = SummaryWriter(str(out / TENSORBOARD_DIR), purge_step=purge)
+            self.tb = SummaryWriter(str(RunLayout(out).tensorboard), purge_step=purge)
             if start_step is None:
                 self.tb.add_text("config", "```\n" + config_text + "\n```", 0)
         if "wandb" in names:
@@ -164,7 +163,7 @@ def _wandb_run(out: Path, config: Mapping[str, Any], project: str | None, fresh:
     """A W&B run for ``out``: a new one for a fresh run, its own again for a resumed one."""
     import wandb
 
-    id_file = out / WANDB_ID
+    id_file = RunLayout(out).wandb_id
     run_id = None if fresh or not id_file.is_file() else id_file.read_text().strip()
     run_id = run_id or secrets.token_hex(4)  # W&B's own ids are 8 characters too
     atomic_write_bytes(id_file, run_id.encode())

@@ -12,12 +12,11 @@ loss and skips the call, as it always did.
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from lgvit.checkpoints.files import checkpoint_paths
+from lgvit.checkpoints.run_layout import RunLayout
 from lgvit.core.errors import LgvitError
 from lgvit.run.config import TrainConfig
 
@@ -29,7 +28,7 @@ class NonFiniteLoss(LgvitError):
 def stop_nonfinite(cfg: TrainConfig, what: str) -> None:
     kept = (
         f"the last good checkpoint is kept in {cfg.out}"
-        if checkpoint_paths(Path(cfg.out) / "last")[0].exists()
+        if RunLayout(cfg.out).last_weights.exists()
         else "no checkpoint had been saved yet"
     )
     raise NonFiniteLoss(f"{what}; stopping. {kept} (lower --set lr=... or try --amp none)")

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from lgvit.checkpoints.run_layout import RunLayout
 from lgvit.core.errors import Preempted
 from lgvit.core.runtime import Dist, all_reduce_sum
 from lgvit.run.config import TrainConfig
@@ -93,7 +94,7 @@ class RunControl:
     def preempted(self, where: str, out: Path | str) -> Preempted:
         name = signal.Signals(self.signum or signal.SIGTERM).name
         return Preempted(
-            f"stopped by {name} {where}; saved {Path(out) / 'last'}. Continue with: "
+            f"stopped by {name} {where}; saved {RunLayout(out).last}. Continue with: "
             f"lgvit train --out {out} --resume auto",
             self.signum or signal.SIGTERM,
         )

@@ -22,10 +22,8 @@ from typing import Any
 
 from lgvit.checkpoints.files import checkpoint_paths, load_record, load_train_state
 from lgvit.checkpoints.record import CheckpointRecord
+from lgvit.checkpoints.run_layout import RunLayout
 from lgvit.core.errors import LgvitError
-from lgvit.run.kept import KEPT_DIR, KEPT_INDEX
-
-LOCK_NAME = ".lock"
 
 
 def _alive(pid: int) -> bool:
@@ -42,7 +40,7 @@ class RunLock:
     """Exclusive ownership of a run directory; ``note`` says what happened to a stale lock."""
 
     def __init__(self, out: Path) -> None:
-        self.path = Path(out) / LOCK_NAME
+        self.path = RunLayout(out).lock
         self.note: str | None = None
         self.held = False
 
@@ -106,25 +104,15 @@ def remove_stale_temps(out: Path) -> list[str]:
     return removed
 
 
-# What a training run writes into its directory besides the resumable ``last`` checkpoint.
-RUN_FILES = (
-    "last.state.pt", "best.safetensors", "best.state.pt", "last_ema.safetensors",
-    "metrics.jsonl", "train.log", "config.yaml",
-)  # fmt: skip
-# The stems of the checkpoints a run writes in its directory (the engine's saves).
-RUN_CHECKPOINTS = ("last", "best", "last_ema")
-
-
 def run_files(out: Path) -> list[str]:
     """The files of a run that ``out`` holds (its ``last`` checkpoint first); [] for a new or
     empty directory."""
-    names = (checkpoint_paths(Path("last"))[0].name, *RUN_FILES)
-    return [name for name in names if (Path(out) / name).exists()]
+    return [path.name for path in RunLayout(out).files if path.exists()]
 
 
 def holds_run(out: Path) -> bool:
     """``out`` holds a run's files or its kept epochs (``keep_best``)."""
-    return bool(run_files(out)) or (Path(out) / KEPT_DIR / KEPT_INDEX).exists()
+    return bool(run_files(out)) or RunLayout(out).kept_index.exists()
 
 
 def check_resumable(out: Path, checkpoint: Path, given: Iterable[str] | None = None) -> None:
@@ -162,7 +150,7 @@ def read_resumed(resume: str | None, out: Path | str) -> Resumed | None:
     is no readable checkpoint there (the engine reports that, with the run's words)."""
     if not resume:
         return None
-    stem = Path(out) / "last" if resume == "auto" else _stem_named(resume)
+    stem = RunLayout(out).last if resume == "auto" else _stem_named(resume)
     try:
         return Resumed(stem, load_record(checkpoint_paths(stem)[0], strict=True))
     except LgvitError:
@@ -172,7 +160,7 @@ def read_resumed(resume: str | None, out: Path | str) -> Resumed | None:
 def _stem_named(resume: str) -> Path:
     """The stem ``--resume PATH`` names: a checkpoint's, or a run directory's ``last``."""
     stem = Path(resume)
-    return stem / "last" if stem.is_dir() else stem
+    return RunLayout(stem).last if stem.is_dir() else stem
 
 
 def find_resume(resume: str | None, out: Path, given: Iterable[str]) -> Path | None:
@@ -183,7 +171,7 @@ def find_resume(resume: str | None, out: Path, given: Iterable[str]) -> Path | N
     if not resume:
         return None
     if resume == "auto":
-        stem = Path(out) / "last"
+        stem = RunLayout(out).last
         check_resumable(stem.parent, checkpoint_paths(stem)[0], given)
         return stem if checkpoint_paths(stem)[0].exists() else None
     stem = _stem_named(resume)
@@ -195,17 +183,13 @@ def find_resume(resume: str | None, out: Path, given: Iterable[str]) -> Path | N
     return stem
 
 
-# The files a run keeps beside its checkpoints: a folder without them holds copies only.
-_RUN_RECORDS = ("metrics.jsonl", "train.log", "config.yaml")
-
-
 def _from_elsewhere(resume: str, stem: Path, out: Path, found: list[str]) -> str:
     """Why ``--resume`` of a checkpoint in another folder may not go into ``out``, which holds
     a run: that folder's run, or (a checkpoint copied away from its run) the run its config
     says it was started in."""
     holds = f"{out} holds a run of its own ({', '.join(found[:3])})"
     started = None
-    if not any((stem.parent / name).exists() for name in _RUN_RECORDS):
+    if not any(path.exists() for path in RunLayout(stem.parent).records):  # copied away
         try:
             started = (load_train_state(stem).get("config") or {}).get("out")
         except LgvitError:  # unreadable: refused in the run's words when resumed elsewhere
@@ -318,7 +302,7 @@ class RunLog:
 
     def __init__(self, out: Path, main: bool) -> None:
         self.main = main
-        self.path = out / "train.log"
+        self.path = RunLayout(out).log
 
     def __call__(self, msg: str, console: bool = True) -> None:
         if not self.main:

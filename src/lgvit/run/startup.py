@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lgvit.checkpoints.files import checkpoint_paths, load_checkpoint_pair
+from lgvit.checkpoints.files import load_checkpoint_pair
+from lgvit.checkpoints.run_layout import RunLayout
 from lgvit.core.errors import LgvitError
 from lgvit.run.config import TrainConfig, config_from_dict, config_to_dict, global_batch
 from lgvit.run.rundir import check_mid_epoch_batch, check_resume_keys, find_resume, rescale_resume
@@ -27,7 +28,7 @@ def resumed_config(
     explicit keys on top when resuming; a run directory that already holds a run is refused
     without --resume."""
     stem = find_resume(cfg.resume, out, [k for k in identity_keys if k in explicit])
-    if stem is None and checkpoint_paths(out / "last")[0].exists():
+    if stem is None and RunLayout(out).last_weights.exists():
         raise LgvitError(
             f"{out} already holds a run; pass --resume auto to continue it, or another --out"
         )

@@ -27,11 +27,12 @@ from lgvit.checkpoints.files import (
     load_metadata,
     load_weights,
 )
+from lgvit.checkpoints.run_layout import RunLayout
 from lgvit.core.atomic import atomic_save_safetensors, check_writable
 from lgvit.core.errors import LgvitError
 from lgvit.inference import folder_weights_file
-from lgvit.run.kept import KEPT_DIR, KEPT_INDEX, kept_checkpoints
-from lgvit.run.rundir import RUN_CHECKPOINTS, holds_run
+from lgvit.run.kept import kept_checkpoints
+from lgvit.run.rundir import holds_run
 
 __all__ = ["average_files", "average_weights", "check_out", "sources"]
 
@@ -101,8 +102,8 @@ def average_files(files: Sequence[Path], out: str | Path) -> dict[str, Tensor]:
     first file's metadata; returns the averaged weights."""
     check_out(out, files)  # the path as given, in its message
     out = Path(out)
-    if not out.name.endswith(".safetensors"):
-        raise LgvitError(f"--out {out}: the average is written as a .safetensors file")
+    if not out.name.endswith(WEIGHTS_SUFFIX):
+        raise LgvitError(f"--out {out}: the average is written as a {WEIGHTS_SUFFIX} file")
     check_writable(out, "--out")
     states = [load_weights(f) for f in files]
     averaged = average_weights(states, [str(f) for f in files])
@@ -127,15 +128,17 @@ def check_out(out: str | Path, files: Sequence[Path]) -> None:
             raise LgvitError(f"--out {out}: {f} is one of the checkpoints averaged; write the "
                              "average to another file")  # fmt: skip
     folder, stem = target.parent, target.name[: -len(WEIGHTS_SUFFIX)]
-    if stem in RUN_CHECKPOINTS and holds_run(folder):
+    average = f"average{WEIGHTS_SUFFIX}"  # the name a message suggests
+    if stem in RunLayout.CHECKPOINTS and holds_run(folder):
         raise LgvitError(
             f"--out {out}: {folder} holds a run, and this would replace its {stem} checkpoint; "
-            f"write the average to another name (e.g. {folder / 'average.safetensors'})"
+            f"write the average to another name (e.g. {folder / average})"
         )
-    if folder.name == KEPT_DIR and ((folder / KEPT_INDEX).exists() or holds_run(folder.parent)):
+    run = RunLayout(folder.parent)
+    if folder == run.kept_dir and (run.kept_index.exists() or holds_run(run.out)):
         raise LgvitError(
-            f"--out {out}: inside {folder}, the run's kept epochs ({KEPT_INDEX} owns that "
-            f"folder); write the average outside it (e.g. {folder.parent / 'average.safetensors'})"
+            f"--out {out}: inside {folder}, the run's kept epochs ({run.KEPT_INDEX} owns that "
+            f"folder); write the average outside it (e.g. {folder.parent / average})"
         )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from lgvit.checkpoints.run_layout import WEIGHTS_SUFFIX
 from lgvit.core.atomic import check_writable, naming
 from lgvit.core.errors import LgvitError, error_lines
 
@@ -49,7 +50,7 @@ def load_source(
             return create_model(source, **kwargs).eval(), False
         except ValueError as e:
             raise LgvitError(f"{source}: {e}") from None
-    near = (source + s for s in ("", ".safetensors", ".pt", ".pth"))
+    near = (source + s for s in ("", WEIGHTS_SUFFIX, ".pt", ".pth"))
     if (
         not source.startswith(FOLDER_PREFIXES)
         and os.sep not in source

@@ -11,6 +11,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from lgvit.checkpoints.run_layout import RunLayout
 from lgvit.core.errors import LgvitError
 
 FORMATS = (".png", ".svg", ".pdf")
@@ -23,7 +24,7 @@ PANELS = (
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunLayout(run_dir).metrics
     if not path.is_file():
         raise LgvitError(f"{path}: not found (is {run_dir} a training run directory?)")
     rows = []
