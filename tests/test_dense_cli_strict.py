@@ -242,7 +242,7 @@ def test_predict_writes_one_set_of_files_per_input(task, tmp_path, capsys):
     """Inputs sharing a file name (``a/x.png``, ``a/x.jpg``, ``b/x.png``) once all wrote
     ``x_mask.png``: the last one survived while the report listed three images. Each now
     gets its own files, and the report lists exactly the files written."""
-    from lgvit.inference import output_stems
+    from lgvit.tasks.commands import output_stems
 
     assert output_stems(["a/x.png", "a/x.jpg", "b/x.png", "b/X.png", "y.png"]) == [
         "x_png", "x_jpg", "x_png_2", "X_png_3", "y"

@@ -111,7 +111,7 @@ def test_predict_writes_the_mask_in_the_frame_eval_reads(seg_ckpt, tmp_path, cap
     """``lgvit predict`` on a tagged photo: the mask and the overlay have the image's stored
     pixel grid (the frame eval pairs a mask with), the same as for the untagged file, and the
     overlay is drawn on those pixels."""
-    from lgvit.tasks.segmentation.evaluate import palette
+    from lgvit.tasks.commands import palette
 
     root = write_seg_set(tmp_path / "d", n_train=1, n_val=1)
     plain = root / "images" / "validation" / "validation_0000.png"

@@ -15,6 +15,8 @@ from lgvit.checkpoints import kinds
 from lgvit.cli import build_parser, main
 from lgvit.core.errors import LgvitError
 from lgvit.core.runtime import AMP_MODES, COMPILE_MODES, resolve_amp
+from lgvit.data.device_decode import DECODE_DEVICES
+from lgvit.data.transforms import INTERPOLATIONS
 from lgvit.run import config
 from lgvit.tools import bench, export, plot, scaling, viz
 
@@ -87,6 +89,7 @@ LISTS = (
     ("lgvit/tools/plot.py", plot.FORMATS),
     ("lgvit/tools/scaling.py", scaling.STUDY_NAMES),
     ("lgvit/checkpoints/kinds.py", kinds.DETECTORS),
+    ("lgvit/data/transforms.py", tuple(INTERPOLATIONS)),
 )
 
 
@@ -120,6 +123,20 @@ def test_help_defaults_are_formatted_from_their_owners():
     assert helps["model"] == f"registered model name (default: {config.TrainConfig.model})"
     assert f"global batch of {config.TrainConfig.lr_base_batch} " in helps["lr"]
     assert helps["sched"] == " | ".join(config.SCHEDULES)  # poly included
+
+
+def test_help_lists_are_formatted_from_their_owners():
+    """A help text that lists a flag's values reads them from the tuple they describe."""
+    commands = build_parser()._subparsers._group_actions[0].choices
+    helps = {c: {a.dest: a.help for a in commands[c]._actions}
+             for c in ("train", "eval", "predict", "bench", "export")}  # fmt: skip
+    assert helps["train"]["device"] == " | ".join(config.DEVICES)
+    assert helps["train"]["decode_device"].startswith(" | ".join(DECODE_DEVICES) + ": ")
+    assert helps["eval"]["interpolation"].startswith(" | ".join(INTERPOLATIONS) + " (")
+    assert helps["eval"]["device"] == helps["predict"]["device"]
+    assert helps["eval"]["device"].startswith("cpu, cuda, cuda:N ")
+    assert helps["bench"]["device"].startswith("cpu, cuda or cuda:N ")
+    assert all(f"NAME{s}" in helps["export"]["out"] for s in export.SUFFIXES.values() if s)
 
 
 def test_resolve_amp_refuses_an_unknown_mode():

@@ -19,10 +19,15 @@ from lgvit.checkpoints.kinds import DETECTORS
 from lgvit.checkpoints.run_layout import WEIGHTS_SUFFIX, RunLayout
 from lgvit.core.errors import LgvitError
 from lgvit.core.runtime import AMP_MODES, COMPILE_MODES
+from lgvit.data.device_decode import DECODE_DEVICES
 from lgvit.data.sources import option_help
-from lgvit.run.config import OPTIMIZERS, SCHEDULES, TrainConfig
+from lgvit.run.config import DEVICES, OPTIMIZERS, SCHEDULES, TrainConfig
 from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES
 from lgvit.tasks.flags import add_task_flags
+
+# What --device takes in the commands that load a model (lgvit.inference.resolve_device).
+DEVICE_FORMS = ("cpu", "cuda", "cuda:N")
+EVAL_DEVICE_HELP = f"{', '.join(DEVICE_FORMS)} (default: CUDA if any)"  # eval's and predict's
 
 
 def _fmt(v: object, spec: str = ".2f") -> str:
@@ -219,14 +224,18 @@ TIMM_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--decay-rate": ("decay_rate", float, "step schedule: lr factor per decay"),
     "--model-ema-decay": ("ema_decay", float, "EMA decay per step"),
     "--workers": ("workers", int, "decoding processes (streamed folders, shards, datasets)"),
-    "--decode-device": ("decode_device", str, "none | cuda | cpu: streamed JPEGs decoded there"),
+    "--decode-device": (
+        "decode_device",
+        str,
+        f"{' | '.join(DECODE_DEVICES)}: streamed JPEGs decoded there",
+    ),
     "--input-key": ("input_key", str, option_help("input_key", "image key(s) or column")),
     "--target-key": ("target_key", str, option_help("target_key", "label key or column")),
     "--train-split": ("train_split", str, option_help("train_split", "the split trained on")),
     "--val-split": ("val_split", str, option_help("val_split", "the split evaluated")),
     "--grad-accum-steps": ("grad_accum_steps", int, "micro-batches per optimizer step"),
     "--log-interval": ("log_every", int, "steps between progress lines"),
-    "--device": ("device", str, "auto | cpu | cuda"),
+    "--device": ("device", str, " | ".join(DEVICES)),
     "--initial-checkpoint": ("initial_checkpoint", str, "start from these weights (fine-tune)"),
     "--num-classes": ("num_classes", int, "classes of the head (default: the dataset's)"),
     "--patch-size": ("patch_size", int, "patch size (model default otherwise)"),
@@ -321,7 +330,7 @@ def _add_bench(sub: Any) -> None:
     )
     p.add_argument("names", nargs="*", help="model names or wildcards (default: all)")
     p.add_argument("--device", default=BenchOptions.device,
-                   help=f"cpu, cuda or cuda:N (default: {BenchOptions.device})")  # fmt: skip
+                   help=f"{_one_of(DEVICE_FORMS)} (default: {BenchOptions.device})")  # fmt: skip
     p.add_argument(
         "--amp",
         choices=AMP_MODES,
@@ -377,8 +386,10 @@ def _batch_or_auto(text: str) -> int | str:
 
 
 def _add_export(sub: Any) -> None:
-    from lgvit.tools.export import FORMATS
+    from lgvit.tools.export import FORMATS, SUFFIXES
 
+    files = ", ".join(f"NAME{suffix}" for suffix in SUFFIXES.values() if suffix)
+    folders = ", ".join(f for f, suffix in SUFFIXES.items() if not suffix)
     p = sub.add_parser(
         "export", help="ONNX, torch.export (.pt2) or the Hugging Face layout, parity-checked"
     )
@@ -389,9 +400,7 @@ def _add_export(sub: Any) -> None:
     )
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("--model", help="the architecture of a .pth state dict (e.g. lit_ti)")
-    p.add_argument(
-        "--out", help="file (NAME.onnx, NAME.pt2) or folder (hf); default: the model name"
-    )
+    p.add_argument("--out", help=f"file ({files}) or folder ({folders}); default: the model name")
     p.add_argument("--img-size", type=int, help="default: the checkpoint's or the model's")
     p.add_argument("--dynamic-batch", action="store_true", help="any batch size")
     p.add_argument(
@@ -498,7 +507,7 @@ def _add_eval(sub: Any) -> None:
     # every machine (bf16 autocast moved a detector's AP50 from 21.48 to 18.39).
     add_amp(p, "none", "none: fp32 (default); auto: bf16 autocast where the device runs it "
             "fast; bf16; fp16 (CUDA)")  # fmt: skip
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: CUDA if any)")
+    p.add_argument("--device", default="auto", help=EVAL_DEVICE_HELP)
     p.add_argument("--json", action="store_true")
     add_task_flags(p, "eval")
     p.set_defaults(func=cmd_eval)
@@ -516,7 +525,7 @@ def _add_predict(sub: Any) -> None:
     )
     p.add_argument("--checkpoint", required=True, help="as eval's")
     p.add_argument("--model", help="default: the name stored in the checkpoint")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: CUDA if any)")
+    p.add_argument("--device", default="auto", help=EVAL_DEVICE_HELP)
     p.add_argument("--json", action="store_true")
     add_task_flags(p, "predict")
     p.add_argument("images", nargs="+")

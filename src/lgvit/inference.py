@@ -4,8 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lgvit.core.constants import IMAGE_EXTENSIONS
 from lgvit.core.errors import LgvitError
 
 
@@ -328,109 +326,3 @@ def preprocess_images(
         for p in paths
     ]
     return normalize(torch.cat(crops), pre.mean, pre.std)
-
-
-def expand_images(paths: Sequence[str]) -> list[str]:
-    """Files as given; a directory stands for the images in it (sorted, not recursive)."""
-    out: list[str] = []
-    for p in paths:
-        if Path(p).is_dir():
-            found = sorted(
-                str(f) for f in Path(p).iterdir() if f.suffix.lower() in IMAGE_EXTENSIONS
-            )
-            if not found:
-                raise LgvitError(
-                    f"{p}: a directory with no image files ({', '.join(IMAGE_EXTENSIONS)})"
-                )
-            out += found
-        else:
-            out.append(p)
-    return out
-
-
-def output_dir(path: str) -> Path:
-    """``--out``, created (one line when it cannot be)."""
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise LgvitError(f"--out {out}: cannot create it ({e.strerror})") from None
-    return out
-
-
-def output_stems(paths: Sequence[str]) -> list[str]:
-    """A distinct name per input for the files ``predict --out`` writes: the file's stem where
-    no other input has it, else the stem and its suffix (``x.png``, ``x.jpg``: ``x_png``,
-    ``x_jpg``), then a count in input order (``a/x.png``, ``b/x.png``: ``x_png``,
-    ``x_png_2``). Compared case-blind: a case-insensitive disk holds one of ``X`` and ``x``."""
-    stems = [Path(p).stem for p in paths]
-    seen = Counter(s.casefold() for s in stems)
-    names: list[str | None] = [s if seen[s.casefold()] == 1 else None for s in stems]
-    taken = {n.casefold() for n in names if n is not None}
-    for i, path in enumerate(paths):
-        if names[i] is not None:
-            continue
-        suffix = Path(path).suffix.lstrip(".").lower()
-        base = f"{stems[i]}_{suffix}" if suffix else stems[i]
-        name, k = base, 1
-        while name.casefold() in taken:
-            k += 1
-            name = f"{base}_{k}"
-        taken.add(name.casefold())
-        names[i] = name
-    return [n for n in names if n is not None]
-
-
-def read_images(
-    paths: Sequence[str], failed: list[str], upright: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(path, uint8 (3, H, W))`` of each readable image (``upright=False``: as stored, its EXIF
-    orientation ignored); each unreadable one's line is appended to ``failed`` (for
-    :func:`report_predictions`)."""
-    from lgvit.data.decode import read_image_rgb
-
-    for path in paths:
-        try:
-            yield path, read_image_rgb(path, upright)
-        except LgvitError as e:
-            failed.append(str(e))
-
-
-def images_with_outputs(
-    images: Sequence[str], out: str, failed: list[str], upright: bool = True
-) -> Iterator[tuple[str, Path, torch.Tensor]]:
-    """``(path, out / NAME, uint8 (3, H, W))`` of each readable image of ``images`` (from
-    :func:`expand_images`), ``--out`` created and NAME distinct per input
-    (:func:`output_stems`: a.png, a.jpg and b/a.png must not write the same files); each
-    unreadable image's line is appended to ``failed``; ``upright`` as :func:`read_images`."""
-    folder = output_dir(out)
-    for path, stem in zip(images, output_stems(images), strict=True):
-        for _, img in read_images([path], failed, upright):
-            yield path, folder / stem, img
-
-
-def report_predictions(
-    results: list[dict[str, Any]],
-    failed: list[str],
-    as_json: bool,
-    line: Callable[[dict[str, Any]], str],
-    precision: str,
-) -> int:
-    """``lgvit predict``'s ending: every unreadable image a line on stderr (skipped, also when
-    no image was readable), the results as JSON (each with its ``precision``) or
-    ``line(result)`` each after a line naming the ``precision`` that ran; exit status 1 when
-    an image was skipped."""
-    import json
-    import sys
-
-    for msg in failed:
-        print(f"lgvit predict: skipped: {msg}", file=sys.stderr)
-    for r in results:
-        r["precision"] = precision
-    if as_json:
-        print(json.dumps(results, indent=2))
-    elif results:
-        print(f"precision: {precision}")
-        for r in results:
-            print(line(r))
-    return 1 if failed else 0

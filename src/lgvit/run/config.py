@@ -64,6 +64,7 @@ __all__ = [
 
 OPTIMIZERS = ("adamw", "sgd", "lamb")
 SCHEDULES = ("cosine", "linear", "step", "poly", "none")
+DEVICES = ("auto", "cpu", "cuda")  # a run's device (auto: CUDA when there is one)
 MAX_IMG_SIZE = 4096  # beyond any model here; larger sizes only exhaust memory in the size probe
 
 
@@ -687,7 +688,7 @@ def validate_config(cfg: TrainConfig, sources: Mapping[str, str] | None = None) 
     choice("amp", AMP_MODES)
     if cfg.compile not in (False, True, *COMPILE_MODES):
         fail("compile", f"must be true, false or a mode: {', '.join(COMPILE_MODES)}")
-    choice("device", ("auto", "cpu", "cuda"))
+    choice("device", DEVICES)
     choice("decode_device", DECODE_DEVICES)
     choice("train_crop", TRAIN_CROPS)
     choice("remode", RE_MODES)

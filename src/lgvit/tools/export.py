@@ -28,7 +28,7 @@ from lgvit.core.errors import LgvitError, error_lines
 
 FORMATS = ("onnx", "pt2", "hf")
 TOLERANCE = 1e-4  # max abs logit difference accepted by --check (fp32 reorderings: ~1e-6)
-_SUFFIX = {"onnx": ".onnx", "pt2": ".pt2", "hf": ""}
+SUFFIXES = {"onnx": ".onnx", "pt2": ".pt2", "hf": ""}  # each format's file suffix ("": a folder)
 
 
 def load_source(
@@ -328,7 +328,7 @@ def export(
     name = model.model_name
     if not trained:
         warnings.warn(f"{name} has random weights (pass a checkpoint to export one)", stacklevel=2)
-    path = Path(out) if out else check_out(Path(f"{name}{_SUFFIX[fmt]}"), fmt)
+    path = Path(out) if out else check_out(Path(f"{name}{SUFFIXES[fmt]}"), fmt)
     checks = (dynamic_batch, dynamic_size, run_check, images)
     if fmt == "hf":  # a folder, written in place
         run = write(model, fmt, path, dynamic_batch, dynamic_size, opset)
@@ -355,12 +355,12 @@ def export(
 def check_out(path: Path, fmt: str) -> Path:
     """Before any work: ``path`` is where ``fmt`` can be written (a file under the format's
     suffix, which ``file_metadata`` reads the format from; a folder for ``hf``)."""
-    suffix = _SUFFIX[fmt]
+    suffix = SUFFIXES[fmt]
     check_writable(path, "--out", folder=not suffix)
     if suffix and path.suffix != suffix:
         raise LgvitError(f"--out {path}: --format {fmt} writes a {suffix} file; name it "
                          f"{path.with_suffix(suffix).name}")  # fmt: skip
-    if not suffix and path.suffix and path.suffix in _SUFFIX.values():
+    if not suffix and path.suffix and path.suffix in SUFFIXES.values():
         raise LgvitError(f"--out {path}: --format {fmt} writes a folder, not a {path.suffix} "
                          f"file; use --format {path.suffix[1:]} for that")  # fmt: skip
     return path

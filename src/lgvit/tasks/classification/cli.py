@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from typing import Any
 
 from lgvit.core.errors import LgvitError
 from lgvit.data.sources import option_help
+from lgvit.data.transforms import INTERPOLATIONS
 from lgvit.tasks import get_task
+from lgvit.tasks.commands import (
+    PREDICT_AMP,
+    EvalDevice,
+    add_eval_keys,
+    check_classes,
+    check_data,
+    check_predictions_path,
+    expand_images,
+    report_eval,
+    report_predictions,
+)
 from lgvit.tasks.flags import WORKERS_FLAG, Flag, finite_float
 
 TTA_HELP = ("flip: average the logits of each image and its mirror image; flip-translate: also "
@@ -19,7 +30,7 @@ EVAL_FLAGS = (
     Flag("--img-size", type=int, help="default: the size it was trained at"),
     Flag("--crop-pct", type=finite_float(0, 1, low_open=True),
          help="in (0, 1]; default: the model's (e.g. 0.875, 0.9)"),
-    Flag("--interpolation", help="bicubic | bilinear | nearest (default: the model's)"),
+    Flag("--interpolation", help=f"{' | '.join(INTERPOLATIONS)} (default: the model's)"),
     Flag("--mean", type=finite_float(), nargs=3, metavar="V", help="default: the model's"),
     Flag("--std", type=finite_float(0, low_open=True), nargs=3, metavar="V",
          help="positive; default: the model's"),
@@ -54,16 +65,10 @@ PREDICT_FLAGS = (
 def run_eval(args: argparse.Namespace) -> int:
     """Top-1/top-5, per-class accuracy (and ImageNet-ReaL) of a classifier on a test split,
     preprocessed as the model was trained (each step overridable with timm's flags)."""
-    if args.data not in get_task("classification").datasets:
-        raise LgvitError(f"{args.checkpoint} is a classifier; evaluate it on one of "
-                         f"{', '.join(get_task('classification').datasets)}")  # fmt: skip
-    if args.predictions:  # checked before the whole evaluation runs
-        from lgvit.core.atomic import check_writable
-
-        check_writable(args.predictions, "--predictions")
+    check_data(args, "a classifier", get_task("classification").datasets)
+    check_predictions_path(args.predictions)
     import torch
 
-    from lgvit.core.runtime import Dist, precision_name, resolve_amp
     from lgvit.data.datasets import ImageSet, load_test_split
     from lgvit.data.loader import AugmentConfig
     from lgvit.data.protocol import skipped_in_pass
@@ -82,7 +87,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.channels_last:  # convolutions then run NHWC whatever the batch's layout
         model = model.to(memory_format=torch.channels_last)
     run = _compiled(model) if args.compile else model
-    device = next(model.parameters()).device
+    on = EvalDevice(args, model)
     pre = resolve_preprocessing(model, crop_pct=args.crop_pct, interpolation=args.interpolation,
                                 mean=args.mean, std=args.std)  # fmt: skip
     split = load_test_split(args.data, args.data_dir, img_size=pre.size,
@@ -106,16 +111,15 @@ def run_eval(args: argparse.Namespace) -> int:
     # On the model's device: a GPU gets the uint8 batch and resizes and normalises it there.
     loader = make_loader(split, args.batch_size, num_classes=len(split.classes), train=False,
                          aug=aug, with_index=True, workers=args.workers,
-                         device=device)  # fmt: skip
+                         device=on.device)  # fmt: skip
     if not args.json:
         print(f"preprocessing: {pre.describe()}", flush=True)
     recorder = TopKRecorder(k=5) if real or args.predictions else None  # per-image top-5
-    amp = resolve_amp(args.amp, device)
-    res = evaluate(run, loader, len(split.classes), Dist(device=device), amp, tta=args.tta,
+    res = evaluate(run, loader, len(split.classes), on.dist, on.amp, tta=args.tta,
                    on_batch=recorder)  # fmt: skip
-    res.update(checkpoint=str(args.checkpoint), data=args.data, images=len(split),
-               unreadable=len(split) - res["count"], preprocessing=pre.to_dict(),
-               classes=list(split.classes), precision=precision_name(amp))  # fmt: skip
+    add_eval_keys(res, args, len(split), unreadable=len(split) - res["count"],
+                  preprocessing=pre.to_dict(), classes=list(split.classes),
+                  precision=on.precision)  # fmt: skip
     skipped = skipped_in_pass(loader)  # a split read sample by sample: the first left out
     if skipped is not None and skipped[0] and skipped[1]:
         res["left_out"] = skipped[1]
@@ -127,30 +131,23 @@ def run_eval(args: argparse.Namespace) -> int:
             names = [names[i] for i in idx.tolist()]
             write_predictions(args.predictions, names, labels, top, probs)
             res["predictions"] = str(args.predictions)
-    if args.json:
-        print(json.dumps(res, indent=2))
-    else:
-        _print_eval(args, res)
-    return 0
+    return report_eval(args, res, lambda r: _print_eval(args, r))
 
 
 def _check_eval_classes(args: argparse.Namespace, model: Any, classes: Sequence[str]) -> None:
-    """The data's classes must be the head's: as many, and (when the checkpoint names them) the
-    same names in the same order unless ``--any-classes``."""
+    """The data's classes must be the head's (:func:`~lgvit.tasks.commands.check_classes`): as
+    many, and (when the checkpoint names them) the same names in the same order."""
     n_data, n_head = len(classes), model.num_classes
-    if n_data != n_head:
-        raise LgvitError(
-            f"{args.checkpoint} has a {n_head}-class head but {args.data} has {n_data} classes; "
-            "fine-tune it with `lgvit train`, evaluate on a dataset with the same classes, or "
-            "give the class indices with --class-map"
-        )
     trained_on = model.pretrained_cfg.get("label_names")
-    if trained_on and list(trained_on) != list(classes) and not args.any_classes:
-        raise LgvitError(
-            f"{args.checkpoint} was trained on classes {_preview(trained_on)} but {args.data} "
-            f"has {_preview(classes)}; pass --any-classes to evaluate anyway (class i of the "
-            "data is then class i of the model)"
-        )
+    check_classes(
+        args.any_classes, n_head, trained_on, classes,
+        lambda: f"{args.checkpoint} has a {n_head}-class head but {args.data} has {n_data} "
+        "classes; fine-tune it with `lgvit train`, evaluate on a dataset with the same classes, "
+        "or give the class indices with --class-map",
+        lambda: f"{args.checkpoint} was trained on classes {_preview(trained_on)} but "
+        f"{args.data} has {_preview(classes)}; pass --any-classes to evaluate anyway (class i "
+        "of the data is then class i of the model)",
+    )  # fmt: skip
 
 
 def _print_eval(args: argparse.Namespace, res: dict[str, Any]) -> None:
@@ -194,19 +191,16 @@ def run_predict(args: argparse.Namespace) -> int:
     """The top-k classes of each image, with their probabilities."""
     import torch
 
-    from lgvit.core.runtime import autocast, precision_name
+    from lgvit.core.runtime import autocast
     from lgvit.inference import load_model, preprocess_images
 
     if args.topk < 1:
         raise LgvitError(f"--topk {args.topk}: must be at least 1")
-    from lgvit.inference import expand_images, report_predictions
-
     images = expand_images(args.images)
     model = load_model(args.checkpoint, args.device, args.model, args.img_size)
     run = _compiled(model) if args.compile else model
     device = next(model.parameters()).device
     classes = model.pretrained_cfg.get("label_names")  # the checkpoint's class names
-    amp = None  # predict takes no --amp: full precision
     results, failed = [], []
     for path in images:
         try:
@@ -214,7 +208,7 @@ def run_predict(args: argparse.Namespace) -> int:
         except LgvitError as e:  # one bad file among good ones: say so (below), go on
             failed.append(str(e))
             continue
-        with torch.no_grad(), autocast(device, amp):
+        with torch.no_grad(), autocast(device, PREDICT_AMP):
             probs = run(x.to(device)).float().softmax(-1)[0].cpu()
         top = probs.topk(min(args.topk, len(probs)))
         labels = [_label(classes, i) for i in top.indices.tolist()]
@@ -226,4 +220,4 @@ def run_predict(args: argparse.Namespace) -> int:
     def line(r: dict[str, Any]) -> str:
         return f"{r['image']}: " + ", ".join(f"{lbl} {100 * p:.1f}%" for lbl, p in r["top"])
 
-    return report_predictions(results, failed, args.json, line, precision_name(amp))
+    return report_predictions(results, failed, args.json, line)

@@ -11,8 +11,23 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from lgvit.checkpoints.kinds import DETECTORS, detector_spec
-from lgvit.core.errors import LgvitError
 from lgvit.tasks import get_task
+from lgvit.tasks.commands import (
+    PREDICT_AMP,
+    EvalDevice,
+    add_eval_keys,
+    check_classes,
+    check_data,
+    check_predictions_path,
+    expand_images,
+    images_with_outputs,
+    palette,
+    predict_precision,
+    report_eval,
+    report_predictions,
+    require_out,
+    save_png,
+)
 from lgvit.tasks.flags import WORKERS_FLAG, Flag, finite_float
 
 _DETECTOR = dict(choices=DETECTORS,
@@ -42,58 +57,59 @@ def run_eval(args: argparse.Namespace) -> int:
     """COCO bbox (and segm) AP of a detection checkpoint on ``--data-dir``'s val split, by
     pycocotools' COCOeval; ``--predictions F.json`` keeps the detections in COCO's results
     format (bbox in F.json, masks in F.segm.json) for anyone to rerun COCOeval on."""
-    from lgvit.core.atomic import atomic_write_bytes
-    from lgvit.core.runtime import Dist, precision_name, resolve_amp
     from lgvit.data.coco import COCO_DATASETS, DetEvalLoader, load_coco_split, require_masks
-    from lgvit.tasks.detection.evaluate import STATS, evaluate_detection, load_detector
+    from lgvit.tasks.detection.evaluate import evaluate_detection, load_detector
 
-    if args.data not in COCO_DATASETS:
-        raise LgvitError(f"{args.checkpoint} is a detector; evaluate it on --data coco")
-    if args.predictions:  # checked before the whole evaluation runs
-        from lgvit.core.atomic import check_writable
-
-        check_writable(args.predictions, "--predictions")
+    check_data(args, "a detector", COCO_DATASETS)
+    check_predictions_path(args.predictions)
     model = load_detector(args.checkpoint, args.device, args.model, args.detector)
     info = model.det_info
     split = load_coco_split(args.data_dir, "val", args.cache_dir)
     spec = detector_spec(model.detector)
     if spec.masks:  # COCOeval's segm reads every annotation's mask
         require_masks(split)
-    if len(split.cat_ids) != len(info["cat_ids"]):  # --any-classes too: label i is category i
-        raise LgvitError(
-            f"{args.checkpoint} has {len(info['cat_ids'])} categories but {split.ann_file} has "
-            f"{len(split.cat_ids)}; evaluate it on data with as many (--any-classes allows "
-            "other ids, not another count), or fine-tune it with lgvit train "
-            f"--initial-checkpoint {args.checkpoint}"
-        )
-    if split.cat_ids != info["cat_ids"] and not args.any_classes:
-        raise LgvitError(
-            f"{args.checkpoint} was trained on {len(info['cat_ids'])} categories (ids "
-            f"{_ids(info['cat_ids'])}) but {split.ann_file} has {len(split.cat_ids)} (ids "
-            f"{_ids(split.cat_ids)}); pass --any-classes to evaluate anyway"
-        )
-    device = next(model.parameters()).device
-    loader = DetEvalLoader(split, workers=args.workers, device=device)
-    amp = resolve_amp(args.amp, device)
-    res = evaluate_detection(model, loader, split, info["label_offset"], Dist(device=device),
-                             amp, keep_results=True,
-                             masks=spec.masks)  # fmt: skip
+    trained, found = info["cat_ids"], split.cat_ids
+    check_classes(
+        args.any_classes, len(trained), trained, found,
+        lambda: f"{args.checkpoint} has {len(trained)} categories but {split.ann_file} has "
+        f"{len(found)}; evaluate it on data with as many (--any-classes allows other ids, not "
+        f"another count), or fine-tune it with lgvit train --initial-checkpoint "
+        f"{args.checkpoint}",
+        lambda: f"{args.checkpoint} was trained on {len(trained)} categories (ids "
+        f"{_ids(trained)}) but {split.ann_file} has {len(found)} (ids {_ids(found)}); pass "
+        "--any-classes to evaluate anyway",
+    )  # fmt: skip
+    on = EvalDevice(args, model)
+    loader = DetEvalLoader(split, workers=args.workers, device=on.device)
+    res = evaluate_detection(model, loader, split, info["label_offset"], on.dist, on.amp,
+                             keep_results=True, masks=spec.masks)  # fmt: skip
     results = res.pop("results")
     if args.predictions:
-        out = Path(args.predictions)
-        atomic_write_bytes(out, json.dumps(results["bbox"]).encode())
-        res["predictions"] = str(out)
-        if spec.masks:
-            segm = out.with_name(out.name.removesuffix(".json") + ".segm.json")
-            atomic_write_bytes(segm, json.dumps(results["segm"]).encode())
-            res["predictions_segm"] = str(segm)
-    res.update(checkpoint=str(args.checkpoint), data=args.data, images=len(split),
-               annotations=str(split.ann_file), precision=precision_name(amp),
-               tta=args.tta)  # fmt: skip
-    if args.json:
-        print(json.dumps(res, indent=2))
-        return 0
-    print(f"{args.checkpoint} on {split.ann_file} ({res['count']} images, "
+        res.update(_write_predictions(args.predictions, results, spec.masks))
+    add_eval_keys(res, args, len(split), annotations=str(split.ann_file),
+                  precision=on.precision, tta=args.tta)  # fmt: skip
+    return report_eval(args, res, lambda r: _print_eval(args, r))
+
+
+def _write_predictions(path: str, results: dict[str, list], masks: bool) -> dict[str, str]:
+    """The detections in COCO's results format: boxes in ``path``, masks (``masks``) in
+    ``path`` with ``.segm.json`` for ``.json``; the result's keys naming the files."""
+    from lgvit.core.atomic import atomic_write_bytes
+
+    out = Path(path)
+    atomic_write_bytes(out, json.dumps(results["bbox"]).encode())
+    written = {"predictions": str(out)}
+    if masks:
+        segm = out.with_name(out.name.removesuffix(".json") + ".segm.json")
+        atomic_write_bytes(segm, json.dumps(results["segm"]).encode())
+        written["predictions_segm"] = str(segm)
+    return written
+
+
+def _print_eval(args: argparse.Namespace, res: dict[str, Any]) -> None:
+    from lgvit.tasks.detection.evaluate import STATS
+
+    print(f"{args.checkpoint} on {res['annotations']} ({res['count']} images, "
           f"{res['detections']} detections, {res['precision']})")  # fmt: skip
     if res["unreadable"]:
         print(f"  {res['unreadable']} unreadable image(s) counted as without detections"
@@ -104,7 +120,6 @@ def run_eval(args: argparse.Namespace) -> int:
     for key in ("predictions", "predictions_segm"):
         if key in res:
             print(f"{key.replace('_', ' ')}: {res[key]}")
-    return 0
 
 
 def _ids(ids: list[int]) -> str:
@@ -115,31 +130,25 @@ def run_predict(args: argparse.Namespace) -> int:
     """Per image, in ``--out``: ``NAME_det.png`` (boxes with class names and scores, masks
     tinted, those scoring at least ``--score-thr``) and ``NAME_det.json`` (every detection: box
     ``[x1, y1, x2, y2]`` in pixels, class name, COCO category id, score; also printed with
-    ``--json``), NAME distinct per input (:func:`~lgvit.inference.output_stems`)."""
+    ``--json``), NAME distinct per input (:func:`~lgvit.tasks.commands.output_stems`)."""
     from lgvit.core.atomic import atomic_write_bytes
-    from lgvit.core.runtime import precision_name
-    from lgvit.inference import expand_images, images_with_outputs, report_predictions
     from lgvit.tasks.detection.evaluate import detect, load_detector
-    from lgvit.tasks.segmentation.cli import save_png
-    from lgvit.tasks.segmentation.evaluate import palette
 
-    if not args.out:
-        raise LgvitError("detection predict draws its boxes: pass --out DIR")
+    require_out(args.out, "detection predict draws its boxes")
     images = expand_images(args.images)
     model = load_detector(args.checkpoint, args.device, args.model, args.detector)
     info = model.det_info
     colours = palette(len(info["classes"]) + 1)[1:]
-    amp = None  # predict takes no --amp: full precision
     results: list[dict] = []
     failed: list[str] = []
     for path, base, img in images_with_outputs(images, args.out, failed):
-        (det,) = detect(model, [img], amp)
+        (det,) = detect(model, [img], PREDICT_AMP)
         dets = _detections(det, info)
         png, js = Path(f"{base}_det.png"), Path(f"{base}_det.json")
         labels = (det["labels"] - info["label_offset"]).numpy()
         save_png(_draw(img, det, dets, colours[labels], args.score_thr), png)
         result = {"image": path, "drawn": str(png), "json": str(js), "detections": dets,
-                  "precision": precision_name(amp)}  # fmt: skip
+                  "precision": predict_precision()}  # fmt: skip
         atomic_write_bytes(js, json.dumps(result, indent=1).encode())
         results.append(result)
 
@@ -148,7 +157,7 @@ def run_predict(args: argparse.Namespace) -> int:
         top = ", ".join(f"{d['class']} {100 * d['score']:.0f}%" for d in shown[:5])
         return f"{r['image']}: {r['drawn']} ({len(shown)} above {args.score_thr}: {top})"
 
-    return report_predictions(results, failed, args.json, line, precision_name(amp))
+    return report_predictions(results, failed, args.json, line)
 
 
 def _detections(det: dict[str, Any], info: dict[str, Any]) -> list[dict[str, Any]]:

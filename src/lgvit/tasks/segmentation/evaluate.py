@@ -170,17 +170,3 @@ def _build_segmenter(
         "std": list(record.std or cfg.get("std", IMAGENET_STD)),
     }  # fmt: skip
     return model
-
-
-def palette(n: int) -> np.ndarray:
-    """``(n, 3)`` uint8 colours, distinct and stable (the PASCAL VOC bit pattern)."""
-    out = np.zeros((n, 3), dtype=np.uint8)
-    for i in range(n):
-        c, r, g, b = i + 1, 0, 0, 0
-        for k in range(8):
-            r |= ((c >> 0) & 1) << (7 - k)
-            g |= ((c >> 1) & 1) << (7 - k)
-            b |= ((c >> 2) & 1) << (7 - k)
-            c >>= 3
-        out[i] = (r, g, b)
-    return out
