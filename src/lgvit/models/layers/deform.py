@@ -118,20 +118,26 @@ def deform_conv2d(
 _KERNEL_AUTOCAST_DTYPES = (torch.float16,)
 
 
-@torch.compiler.assume_constant_result  # traced as its value, not into the probe
-@functools.cache
+_KERNEL_TAKES: dict[tuple[str, torch.dtype], bool] = {}
+
+
 def _kernel_takes(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torchvision's deform_conv2d kernel on ``device_type`` runs in ``dtype`` (its CPU
-    kernel has float16 but no bfloat16; its CUDA kernel's types vary with the release)."""
-    tv = _torchvision_deform_conv2d()
-    dev = "cuda" if device_type == "cuda" else "cpu"
+    kernel has float16 but no bfloat16; its CUDA kernel's types vary with the release): tried
+    once, on a 3x3 map, outside a compiled graph (a graph being traced before any eager call
+    keeps float32, which is always right)."""
+    key = (device_type, dtype)
+    if key in _KERNEL_TAKES or torch.compiler.is_compiling():
+        return _KERNEL_TAKES.get(key, False)
+    tv, dev = _torchvision_deform_conv2d(), "cuda" if device_type == "cuda" else "cpu"
     x = torch.zeros(1, 1, 3, 3, device=dev, dtype=dtype)
     try:
         with torch.autocast(device_type, enabled=False):
             tv(x, torch.zeros(1, 2, 3, 3, device=dev, dtype=dtype), x[:, :, :1, :1], padding=(0, 0))
+        _KERNEL_TAKES[key] = True
     except (RuntimeError, NotImplementedError):
-        return False
-    return True
+        _KERNEL_TAKES[key] = False
+    return _KERNEL_TAKES[key]
 
 
 def _torchvision_call(
