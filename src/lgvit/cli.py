@@ -19,8 +19,8 @@ from lgvit.checkpoints.kinds import DETECTORS
 from lgvit.core.errors import LgvitError
 from lgvit.core.runtime import AMP_MODES, COMPILE_MODES
 from lgvit.run.config import OPTIMIZERS, SCHEDULES, TrainConfig
-from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES
-from lgvit.tasks.flags import add_task_flags
+from lgvit.task_table import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES
+from lgvit.tasks.dispatch import add_task_flags
 
 
 def _fmt(v: object, spec: str = ".2f") -> str:
@@ -241,12 +241,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _run_task_command(args: argparse.Namespace, command: str) -> int:
-    from lgvit.tasks.dispatch import task_of_checkpoint
-    from lgvit.tasks.flags import apply_task_flags
+    from lgvit.tasks.dispatch import CLI, apply_task_flags, task_of_checkpoint
 
     task = task_of_checkpoint(args)
     apply_task_flags(args, task, command)
-    module = task.module("cli")
+    module = CLI[task.name]
     return module.run_eval(args) if command == "eval" else module.run_predict(args)
 
 

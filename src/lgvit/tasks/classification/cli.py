@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lgvit.core.errors import LgvitError
-from lgvit.tasks import get_task
+from lgvit.task_table import get_task
 from lgvit.tasks.flags import Flag, finite_float
 
 TTA_HELP = ("flip: average the logits of each image and its mirror image; flip-translate: also "

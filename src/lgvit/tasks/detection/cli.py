@@ -12,7 +12,7 @@ from PIL import Image, ImageDraw
 
 from lgvit.checkpoints.kinds import DETECTORS, detector_spec
 from lgvit.core.errors import LgvitError
-from lgvit.tasks import get_task
+from lgvit.task_table import get_task
 from lgvit.tasks.flags import Flag, finite_float
 
 _DETECTOR = dict(choices=DETECTORS,

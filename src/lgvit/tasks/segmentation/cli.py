@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from lgvit.core.errors import LgvitError
-from lgvit.tasks import get_task
+from lgvit.task_table import get_task
 from lgvit.tasks.flags import Flag
 
 EVAL_FLAGS = (
