@@ -200,8 +200,8 @@ def test_a_class_map_not_utf8_is_one_line_naming_the_line(tmp_path):
 def test_every_task_takes_tta_none_and_declares_its_own_modes():
     """``det eval --tta none`` was refused (detection declared no --tta): "none", the no-TTA
     default, is every task's; each task's --tta choices are its TaskSpec's ``eval_tta``."""
-    from lgvit.tasks import TASKS
-    from lgvit.tasks.flags import task_flags
+    from lgvit.task_table import TASKS
+    from lgvit.tasks.dispatch import task_flags
 
     for t in TASKS.values():
         (tta,) = [f for f in task_flags(t, "eval") if f.dest == "tta"]

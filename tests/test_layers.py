@@ -53,12 +53,13 @@ def test_each_model_command_tunes_the_allocator_once(command, mallopt_calls, mon
 
 
 def test_the_model_zoo_names_every_task_its_files_serve():
-    # models/weights.py words "load them with ..." for each task without importing the tasks
-    from lgvit.models.weights import LOADS_RELEASED, MODEL_WORDS, WEIGHTS
-    from lgvit.tasks import DEFAULT_TASK, TASK_NAMES
+    # models/weights.py words "load them with ..." for each task from the task table (facts),
+    # without importing the tasks' code
+    from lgvit.models.weights import WEIGHTS
+    from lgvit.task_table import DEFAULT_TASK, TASK_NAMES, TASKS
 
-    assert sorted(LOADS_RELEASED) == sorted(MODEL_WORDS) == sorted(TASK_NAMES)
-    assert {w.task for w in WEIGHTS} <= set(TASK_NAMES) and DEFAULT_TASK in LOADS_RELEASED
+    assert all(t.loads_released and t.model_words for t in TASKS.values())
+    assert {w.task for w in WEIGHTS} <= set(TASK_NAMES) and DEFAULT_TASK in TASKS
 
 
 def test_weights_of_another_task_name_their_builder():

@@ -91,18 +91,18 @@ def test_import_lgvit_leaves_the_compiler_unimported():
 
 
 # Imports point down: a module never imports one of a layer above its own, lazily inside a
-# function neither. The layers, bottom up (docs/architecture.md draws them). The task registry
-# (``lgvit.tasks`` itself: names, datasets, flags) sits below the run, which validates a config
-# against it; the tasks' code sits above the run, which it plugs into. ``lgvit`` itself is the
-# public face of the model zoo.
+# function neither. The layers, bottom up (docs/architecture.md draws them). The task table (what
+# each task is: names, datasets, checkpoint defaults, words) sits below the checkpoints, whose
+# record reads it; the tasks' code sits above the run, which it plugs into. ``lgvit`` itself is
+# the public face of the model zoo.
 LAYERS = (
     ("lgvit.core",),  # errors, constants, atomic writes, restricted unpickling, runtime
     ("lgvit.data",),
+    ("lgvit.task_table",),  # one record per task, facts only
     ("lgvit.checkpoints",),  # files, record, kinds: what the model zoo loads
     ("lgvit.models", "lgvit"),
     ("lgvit.dense",),
     ("lgvit.inference",),  # a checkpoint -> a ready eval model, for every task
-    ("lgvit.tasks:registry",),
     ("lgvit.run",),  # config, engine, optim, rundir, preempt
     ("lgvit.tasks",),
     ("lgvit.tools",),  # bench, measure, scaling, export, viz, plot, weights
@@ -118,8 +118,6 @@ def _layer(module: str) -> int:
     """The index in LAYERS of ``module``'s layer (the innermost package that names one)."""
     if module == "lgvit":
         return next(i for i, names in enumerate(LAYERS) if "lgvit" in names)
-    if module == "lgvit.tasks":
-        return next(i for i, names in enumerate(LAYERS) if "lgvit.tasks:registry" in names)
     found = [(len(p), i) for i, names in enumerate(LAYERS) for p in names
              if p != "lgvit" and _within(module, p)]  # fmt: skip
     assert found, f"{module} is in no layer of LAYERS: add its package there"
@@ -164,9 +162,10 @@ TRAINING = {"lgvit.run.engine", "lgvit.run.optim", "lgvit.tasks.run"} | {
 
 def test_eval_bench_predict_never_import_training():
     """``lgvit eval``, ``predict`` and ``bench`` and every task's evaluation and command code
-    never reach the engine or any task's training module (the registry imports a task's
-    modules by name, on first use: ``cmd_eval`` reaches only the one it runs). ``bench`` may
-    reach ``run.optim`` alone: its training step is timed with the optimizer training builds."""
+    never reach the engine or any task's training module (``lgvit.tasks.dispatch`` imports
+    every task's ``cli``, none of which imports training; ``lgvit.tasks.run`` alone imports
+    the tasks' ``train``). ``bench`` may reach ``run.optim`` alone: its training step is timed
+    with the optimizer training builds."""
     graph = _graph()
     cli = ast.parse(MODULES["lgvit.cli"].read_text())
     for fn in ("cmd_eval", "cmd_bench", "cmd_predict", "_run_task_command"):

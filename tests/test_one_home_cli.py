@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lgvit import tasks
+from lgvit import task_table as tasks
 from lgvit.checkpoints import kinds
 from lgvit.cli import build_parser, main
 from lgvit.core.errors import LgvitError
@@ -41,7 +41,7 @@ OWNERS: dict[tuple[str, str], tuple[str, ...]] = {
     ("predict", "detector"): kinds.DETECTORS,
     ("viz", "what"): viz.KINDS,
 }
-# The task flags are the union of the tasks' declarations (lgvit.tasks.flags), a new list by
+# The task flags are the union of the tasks' declarations (lgvit.tasks.dispatch), a new list by
 # construction: equal to the owner's, in its order.
 UNIONS = {("eval", "tta"), ("eval", "detector"), ("predict", "detector")}
 
@@ -82,7 +82,7 @@ def test_the_config_and_the_tasks_read_the_same_lists():
 LISTS = (
     ("lgvit/core/runtime.py", AMP_MODES),
     ("lgvit/core/runtime.py", COMPILE_MODES),
-    ("lgvit/tasks/__init__.py", tasks.TTA_MODES),
+    ("lgvit/task_table.py", tasks.TTA_MODES),
     ("lgvit/tools/export.py", export.FORMATS),
     ("lgvit/tools/viz.py", viz.KINDS),
     ("lgvit/tools/bench.py", bench.FORMATS),

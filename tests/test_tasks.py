@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import argparse
 import ast
+from importlib import import_module
 from pathlib import Path
 
 import pytest
 
 from lgvit.cli import build_parser, main
 from lgvit.core.errors import LgvitError
-from lgvit.tasks import ALL_DATASETS, TASK_NAMES, TASKS, get_task
-from lgvit.tasks.flags import COMMANDS, apply_task_flags, task_flags
+from lgvit.task_table import ALL_DATASETS, TASK_NAMES, TASKS, get_task
+from lgvit.tasks.dispatch import BUILD_RELEASED, CLI, COMMANDS, apply_task_flags, task_flags
+from lgvit.tasks.run import MAKE_TASK, make_task
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lgvit"
 # What every task's eval/predict reads (declared once by the command, not by a task).
@@ -23,7 +25,7 @@ COMMON = {
 }
 # Task names outside lgvit/tasks, each for a reason that is not choosing a task's behaviour.
 NAMED_OUTSIDE = {
-    "checkpoints/kinds.py": "the checkpoint kinds: each task's name and record defaults",
+    "task_table.py": "the task table: what each task is",
     "data/coco.py": "COCO's annotation field 'segmentation'",
     "models/weights.py": "the released files' table: which task each file is for",
     "dense/detection.py": "the detector builder asks the table for detection weights",
@@ -65,18 +67,29 @@ def _parse(command: str, extra: list[str]) -> argparse.Namespace:
 
 def test_every_task_has_its_three_modules_and_the_engines_interface():
     for t in TASKS.values():
-        task = t.make_task()
+        task = make_task(t.name)
         for member in ("prepare", "param_groups", "loss", "evaluate", "summary", "identity_keys"):
             assert hasattr(task, member), (t.name, member)
         assert "task" in task.identity_keys, t.name  # a resume cannot change the task
-        cli = t.module("cli")
+        cli = CLI[t.name]
         assert callable(cli.run_eval) and callable(cli.run_predict), t.name
-        assert t.module("evaluate").__name__ == f"{t.package}.evaluate"
+        evaluate = import_module(f"lgvit.tasks.{t.name}.evaluate")
+        assert evaluate.__name__ == f"lgvit.tasks.{t.name}.evaluate"
         assert set(t.eval_tta) <= {"none", "flip", "flip-translate"} and "none" in t.eval_tta
-        assert isinstance(t.kind.record_defaults({"task": t.name}), dict)
+        assert isinstance(t.record_defaults({"task": t.name}), dict)
     assert TASK_NAMES == tuple(TASKS) and set(ALL_DATASETS) == {
         d for t in TASKS.values() for d in t.datasets
     }
+
+
+def test_each_task_name_links_to_its_own_code():
+    """The plain imports that link a name to its code (eval/predict, released files, training)
+    name every task of the table once, each with its own package's code."""
+    for links, part in ((CLI, ".cli"), (BUILD_RELEASED, ""), (MAKE_TASK, ".train")):
+        assert tuple(links) == TASK_NAMES, (part, tuple(links))
+        for name, code in links.items():
+            where = getattr(code, "__name__" if part == ".cli" else "__module__")
+            assert where == f"lgvit.tasks.{name}{part}", (name, where)
 
 
 def test_the_registry_is_what_train_and_the_config_read():
@@ -121,7 +134,7 @@ def test_each_task_reads_every_flag_it_declares_and_only_those(task, command):
     t = get_task(task)
     declared = {f.dest for f in task_flags(t, command)}
     fn = {"eval": "run_eval", "predict": "run_predict"}[command]
-    module = t.module("cli")
+    module = CLI[t.name]
     reads = _reads(module)
     assert declared <= reads, f"{task} {command} declares but never reads {declared - reads}"
     other = {"eval": "predict", "predict": "eval"}[command]

@@ -22,8 +22,8 @@ from lgvit.core.runtime import AMP_MODES, COMPILE_MODES
 from lgvit.data.device_decode import DECODE_DEVICES
 from lgvit.data.sources import option_help
 from lgvit.run.config import DEVICES, OPTIMIZERS, SCHEDULES, TrainConfig
-from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES
-from lgvit.tasks.flags import add_task_flags
+from lgvit.task_table import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES
+from lgvit.tasks.dispatch import add_task_flags
 
 # What --device takes in the commands that load a model (lgvit.inference.resolve_device).
 DEVICE_FORMS = ("cpu", "cuda", "cuda:N")
@@ -252,12 +252,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _run_task_command(args: argparse.Namespace, command: str) -> int:
-    from lgvit.tasks.dispatch import task_of_checkpoint
-    from lgvit.tasks.flags import apply_task_flags
+    from lgvit.tasks.dispatch import CLI, apply_task_flags, task_of_checkpoint
 
     task = task_of_checkpoint(args)
     apply_task_flags(args, task, command)
-    module = task.module("cli")
+    module = CLI[task.name]
     return module.run_eval(args) if command == "eval" else module.run_predict(args)
 
 

@@ -149,9 +149,10 @@ def classifier_builder(img_size: int | None = None) -> EvalBuilder:
         from lgvit.models import create_model, is_model
 
         if record.is_dense:  # else "Missing key(s) pos_embed", unexplained
-            from lgvit.models.weights import MODEL_WORDS
+            from lgvit.task_table import get_task
 
-            what = f"{record.detector or MODEL_WORDS[record.task]} on {record.model or '?'}"
+            words = record.detector or get_task(record.task).model_words
+            what = f"{words} on {record.model or '?'}"
             raise LgvitError(
                 f"{checkpoint} is a {record.task} checkpoint ({what}), not a classification "
                 f"model: export and viz take classification checkpoints; `lgvit eval` and "
@@ -227,7 +228,8 @@ def folder_weights_file(source: str) -> str | None:
 def _released(checkpoint: str, model_name: str | None) -> str | None:
     """``checkpoint`` when it names released classification weights (``model.tag``) and is
     not a file; ``--model``, when given, must be theirs."""
-    from lgvit.models.weights import CLASSIFICATION, find_weights
+    from lgvit.models.weights import find_weights
+    from lgvit.task_table import CLASSIFICATION
 
     w = find_weights(str(checkpoint))
     if w is None or Path(checkpoint).exists():

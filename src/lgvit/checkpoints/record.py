@@ -24,9 +24,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from lgvit.checkpoints.kinds import DEFAULT_TASK, DETECTORS, TASK_NAMES, task_kind
+from lgvit.checkpoints.kinds import DETECTORS
 from lgvit.core.constants import MAX_DENSE_SCALE
 from lgvit.core.errors import LgvitError
+from lgvit.task_table import DEFAULT_TASK, TASK_NAMES, get_task
 
 __all__ = [
     "CheckpointRecord",
@@ -91,7 +92,7 @@ class CheckpointRecord:
     @property
     def is_dense(self) -> bool:
         """A segmenter's or detector's checkpoint (the task's ``dense``), not a classifier's."""
-        return task_kind(self.task).dense
+        return get_task(self.task).dense
 
     def to_meta(self) -> dict[str, str]:
         """The header's strings: every field that is set, in field order."""
@@ -130,11 +131,11 @@ class CheckpointRecord:
     @classmethod
     def defaults(cls, values: Mapping[str, Any]) -> dict[str, Any]:
         """The values of the keys a header of ``values['task']`` may lack (given ``values``,
-        the ones it has): the task kind's ``record_defaults`` (:mod:`lgvit.checkpoints.kinds`).
+        the ones it has): the task's ``record_defaults`` (:mod:`lgvit.task_table`).
         lgvit's first
         classification checkpoints named no task and no model_kwargs; the LIT authors'
         mmseg/mmdet files carry no header at all."""
-        return task_kind(values.get("task", DEFAULT_TASK)).record_defaults(dict(values))
+        return get_task(values.get("task", DEFAULT_TASK)).record_defaults(dict(values))
 
     @staticmethod
     def is_lgvit_header(meta: Mapping[str, str]) -> bool:
@@ -265,11 +266,11 @@ def _check_together(values: Mapping[str, Any], meta: Mapping[str, str], source: 
     detection's class index is looked up in ``cat_ids``. (A classifier's names may be fewer
     than its outputs: the rest are named by index.)"""
     classes, n = values.get("classes"), values.get("num_classes")
-    dense = task_kind(values["task"]).dense
+    dense = get_task(values["task"]).dense
     if dense and classes is not None and n is not None and n != len(classes):
         raise _bad(meta, "num_classes", source, f"the number of its {len(classes)} classes")
     ids = values.get("cat_ids")
-    if task_kind(values["task"]).needs_cat_ids and ids is None:
+    if get_task(values["task"]).needs_cat_ids and ids is None:
         raise LgvitError(f"{source}: metadata names classes but no cat_ids (the COCO category "
                          "id of each class)")  # fmt: skip
     if ids is not None and classes is not None and len(ids) != len(classes):

@@ -17,7 +17,8 @@ from typing import Any
 import torch.nn as nn
 
 from lgvit.core.errors import LgvitError
-from lgvit.models.weights import MODEL_WORDS, Weights, find_weights
+from lgvit.models.weights import Weights, find_weights
+from lgvit.task_table import get_task
 
 
 def load_dense_file(model: nn.Module, path: str | Path, what: str) -> None:
@@ -38,7 +39,7 @@ def load_dense_file(model: nn.Module, path: str | Path, what: str) -> None:
 
 
 def _what(w: Weights) -> str:
-    return f"{w.detector or MODEL_WORDS[w.task]} on {w.model}"
+    return f"{w.detector or get_task(w.task).model_words} on {w.model}"
 
 
 def check_classes(w: Weights, num_classes: int | None) -> None:

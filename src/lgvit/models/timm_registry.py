@@ -57,7 +57,8 @@ def timm_default_cfgs(names: list[str]) -> dict[str, Any]:
     (:mod:`lgvit.models.weights`; the first is the default), else the untagged config."""
     from timm.models import generate_default_cfgs
 
-    from lgvit.models.weights import CLASSIFICATION, weights_of
+    from lgvit.models.weights import weights_of
+    from lgvit.task_table import CLASSIFICATION
 
     cfgs: dict[str, dict[str, Any]] = {}
     for n in names:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lgvit.core.errors import LgvitError
+from lgvit.task_table import CLASSIFICATION, get_task
 
 __all__ = [
     "Weights",
@@ -29,18 +30,6 @@ __all__ = [
     "resolve_weights",
     "split_tag",
 ]
-
-# The tasks released files serve and the call that builds a model with each one's weights (for
-# messages): the model zoo's own words, so that it imports nothing of the tasks that train them.
-CLASSIFICATION = "classification"
-LOADS_RELEASED = {
-    CLASSIFICATION: "create_model('{name}', pretrained=True)",
-    "segmentation": "create_segmenter('{model}', pretrained=True)",
-    "detection": "create_detector('{detector}', '{model}', pretrained=True)",
-}
-# The words for a model of each task in messages ("a file of Semantic FPN on lit_ti").
-MODEL_WORDS = {CLASSIFICATION: "a classifier", "segmentation": "Semantic FPN",
-               "detection": "a detector"}  # fmt: skip
 
 
 _LIT = dict(
@@ -76,7 +65,7 @@ class Weights:
     model: str
     tag: str
     url: str
-    task: str = CLASSIFICATION  # a key of LOADS_RELEASED (a name of lgvit.tasks)
+    task: str = CLASSIFICATION  # a name of lgvit.task_table's TASKS
     detector: str | None = None  # retinanet | maskrcnn, for task "detection"
     dataset: str = "imagenet"
     num_classes: int = 1000
@@ -199,7 +188,7 @@ def default_weights(model: str, task: str = CLASSIFICATION,
 
 
 def _builder(w: Weights) -> str:
-    return LOADS_RELEASED[w.task].format(name=w.name, model=w.model, detector=w.detector)
+    return get_task(w.task).loads_released.format(name=w.name, model=w.model, detector=w.detector)
 
 
 def resolve_weights(name: str, task: str = CLASSIFICATION,

@@ -38,7 +38,7 @@ from lgvit.data.recipe import RE_MODES, TRAIN_CROPS
 from lgvit.data.segmentation import SEG_DATASETS, SEG_SCALE
 from lgvit.data.sources import DATA_SOURCES, OPTION_KEYS, sources_taking
 from lgvit.run.loggers import LOGGERS
-from lgvit.tasks import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES, TASKS, TTA_MODES, get_task
+from lgvit.task_table import ALL_DATASETS, DEFAULT_TASK, TASK_NAMES, TASKS, TTA_MODES, get_task
 
 __all__ = [
     "AMP_MODES",
@@ -72,7 +72,7 @@ MAX_IMG_SIZE = 4096  # beyond any model here; larger sizes only exhaust memory i
 class TrainConfig:
     """Everything a training run needs; saved with every checkpoint."""
 
-    task: str = DEFAULT_TASK  # one of lgvit.tasks.TASK_NAMES (lgvit train --help lists them)
+    task: str = DEFAULT_TASK  # one of lgvit.task_table.TASK_NAMES (lgvit train --help lists them)
     # model
     model: str = "lsa_micro_cifar"  # registered model name (`lgvit info` lists them)
     num_classes: int | None = None  # None -> from the dataset

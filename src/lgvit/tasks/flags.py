@@ -1,13 +1,9 @@
-"""``lgvit eval`` / ``predict`` flags declared by the tasks that read them.
+"""``lgvit eval`` / ``predict`` flags as the tasks that read them declare them.
 
 A task's ``cli`` module lists the flags it reads beyond the command's common ones
 (``EVAL_FLAGS``, ``PREDICT_FLAGS``) as :class:`Flag` items with that task's default, choices
-and help. The command's parser takes the union (:func:`add_task_flags`: a flag several tasks
-read is one option whose choices are the union of theirs), and every task flag is parsed to
-"absent" unless given. Once the checkpoint says which task runs, :func:`apply_task_flags`
-refuses in one line a flag that task does not read (or a value outside its choices; a task's
-``REFUSAL_HINTS`` may add what to do instead) and fills in the task's defaults for the rest: a
-flag is either used or refused, never ignored.
+and help; :func:`finite_float` is the number type they check at parsing. Merging them into the
+command's parser and applying them once the task is known is :mod:`lgvit.tasks.dispatch`'s.
 """
 
 from __future__ import annotations
@@ -18,10 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 from lgvit.core.constants import DECODE_WORKERS
-from lgvit.core.errors import LgvitError
-from lgvit.tasks import TASKS, TaskSpec
-
-COMMANDS = {"eval": "EVAL_FLAGS", "predict": "PREDICT_FLAGS"}
 
 
 class Flag:
@@ -86,68 +78,3 @@ def finite_float(
         return value
 
     return parse
-
-
-def task_flags(task: TaskSpec, command: str) -> tuple[Flag, ...]:
-    """The flags ``task`` reads in ``command`` (eval or predict), beyond the common ones."""
-    return tuple(getattr(task.module("cli"), COMMANDS[command]))
-
-
-def _declarations(command: str) -> dict[str, list[tuple[str, Flag]]]:
-    """Every task flag of ``command`` by destination: [(task name, its declaration)]."""
-    out: dict[str, list[tuple[str, Flag]]] = {}
-    for t in TASKS.values():
-        for f in task_flags(t, command):
-            out.setdefault(f.dest, []).append((t.name, f))
-    return out
-
-
-def add_task_flags(parser: argparse.ArgumentParser, command: str) -> None:
-    """One option per task flag of ``command``: the first declaration's type, nargs and
-    metavar, the union of the declared choices, each task's help (naming the tasks)."""
-    for dest, decls in _declarations(command).items():
-        first = decls[0][1]
-        names = {f.names for _, f in decls}
-        if len(names) != 1:
-            raise AssertionError(f"{dest}: declared as {sorted(names)} by different tasks")
-        kwargs = {k: v for k, v in first.kwargs.items() if k not in ("default", "help")}
-        choices = [c for _, f in decls for c in (f.choices or ())]
-        if choices:
-            kwargs["choices"] = list(dict.fromkeys(choices))
-        helps = dict.fromkeys(f.kwargs.get("help", "") for _, f in decls)
-        who = ", ".join(t for t, _ in decls)
-        if len(helps) == 1:
-            text = f"{next(iter(helps))} [{who}]"
-        else:
-            text = "; ".join(f"{t}: {f.kwargs.get('help', '')}" for t, f in decls)
-        defaults = {t: f.default for t, f in decls if f.default not in (None, False)}
-        if defaults:
-            text += " (default " + ", ".join(f"{v}" for v in dict.fromkeys(defaults.values())) + ")"
-        parser.add_argument(*first.names, default=argparse.SUPPRESS, help=text, **kwargs)
-
-
-def apply_task_flags(args: argparse.Namespace, task: TaskSpec, command: str) -> None:
-    """Refuse each given flag ``task`` does not read in ``command`` (and a value outside its
-    choices), in one line naming the flag, the task and the tasks that do read it; set every
-    flag it reads that was not given to the task's default."""
-    own = {f.dest: f for f in task_flags(task, command)}
-    for dest, decls in _declarations(command).items():
-        if dest in own or dest not in vars(args):
-            continue
-        readers = [f"{t} {command}" for t, _ in decls]
-        verb = "does" if len(readers) == 1 else "do"
-        option = decls[0][1].option
-        hint = getattr(task.module("cli"), "REFUSAL_HINTS", {}).get((command, dest), "")
-        raise LgvitError(
-            f"{option}: {args.checkpoint} is a {task.name} checkpoint and {task.name} {command} "
-            f"does not take {option} ({' and '.join(readers)} {verb})"
-            f"{'; ' + hint if hint else ''}"
-        )
-    for dest, f in own.items():
-        if dest not in vars(args):
-            setattr(args, dest, f.default)
-        elif f.choices is not None and getattr(args, dest) not in f.choices:
-            raise LgvitError(
-                f"{f.option} {getattr(args, dest)}: {task.name} {command} takes {f.option} "
-                f"{' or '.join(map(str, f.choices))}"
-            )

@@ -27,7 +27,7 @@ from lgvit.models.weights import (
     split_tag,
     weights_of,
 )
-from lgvit.tasks import get_task
+from lgvit.task_table import get_task
 
 LSA_NOTE = (
     "The LSA authors' models are only in a Google Drive folder (linked from "
@@ -60,9 +60,11 @@ def verifier(w: Weights) -> Callable[[Path], Any]:
 
         return lambda path: create_model(w.model, checkpoint_path=str(path))
     from lgvit.dense.pretrained import load_dense_file
+    from lgvit.tasks.dispatch import BUILD_RELEASED
 
     def verify(path: Path) -> None:
-        load_dense_file(task.build_released(w), path, f"{w.detector or task.head} on {w.model}")
+        model = BUILD_RELEASED[task.name](w)
+        load_dense_file(model, path, f"{w.detector or task.model_words} on {w.model}")
 
     return verify
 

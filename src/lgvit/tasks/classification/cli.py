@@ -9,7 +9,7 @@ from typing import Any
 from lgvit.core.errors import LgvitError
 from lgvit.data.sources import option_help
 from lgvit.data.transforms import INTERPOLATIONS
-from lgvit.tasks import get_task
+from lgvit.task_table import get_task
 from lgvit.tasks.commands import (
     PREDICT_AMP,
     EvalDevice,

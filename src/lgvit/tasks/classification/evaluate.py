@@ -22,7 +22,7 @@ from lgvit.core.errors import LgvitError, first_line, refuse_deep_nesting
 from lgvit.core.progress import StepProgress, on_terminal
 from lgvit.core.runtime import Dist, all_reduce_sum, autocast
 from lgvit.data.protocol import Loader
-from lgvit.tasks import TTA_MODES
+from lgvit.task_table import TTA_MODES
 
 
 def _mirror_logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

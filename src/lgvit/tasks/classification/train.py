@@ -258,5 +258,5 @@ class ClassificationTask:
 
 
 def make_task() -> ClassificationTask:
-    """The task the engine runs (:mod:`lgvit.tasks`' registry calls it)."""
+    """The task the engine runs (:data:`lgvit.tasks.run.MAKE_TASK` names it)."""
     return ClassificationTask()

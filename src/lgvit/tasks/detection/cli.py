@@ -11,7 +11,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from lgvit.checkpoints.kinds import DETECTORS, detector_spec
-from lgvit.tasks import get_task
+from lgvit.task_table import get_task
 from lgvit.tasks.commands import (
     PREDICT_AMP,
     EvalDevice,

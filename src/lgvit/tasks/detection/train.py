@@ -240,5 +240,5 @@ class DetectionTask:
 
 
 def make_task() -> DetectionTask:
-    """The task the engine runs (:mod:`lgvit.tasks`' registry calls it)."""
+    """The task the engine runs (:data:`lgvit.tasks.run.MAKE_TASK` names it)."""
     return DetectionTask()

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from lgvit.tasks import get_task
+from lgvit.task_table import get_task
 from lgvit.tasks.commands import (
     PREDICT_AMP,
     EvalDevice,

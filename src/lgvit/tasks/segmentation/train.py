@@ -217,5 +217,5 @@ class SegmentationTask:
 
 
 def make_task() -> SegmentationTask:
-    """The task the engine runs (:mod:`lgvit.tasks`' registry calls it)."""
+    """The task the engine runs (:data:`lgvit.tasks.run.MAKE_TASK` names it)."""
     return SegmentationTask()
