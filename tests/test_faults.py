@@ -13,11 +13,12 @@ from PIL import Image
 from safetensors.torch import save_file
 from test_train import ENV, FAST, lgvit, one_line_error
 
-from lgvit.checkpoints.files import load_initial_weights, load_metadata, load_weights
+from lgvit.checkpoints.files import load_metadata, load_weights
 from lgvit.cli import main
 from lgvit.core.errors import LgvitError
 from lgvit.models import create_model
 from lgvit.models.hub import save_pretrained
+from lgvit.models.loading import load_initial_weights
 
 # digits has 10 classes; the head has 20 (--num-classes above the data's count)
 DIGITS = [*FAST, "--data", "digits", "--num-classes", "20", "--set", "warmup_epochs=0"]

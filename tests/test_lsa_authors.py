@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 
 import lgvit
-from lgvit.checkpoints.files import load_initial_weights, load_weights, save_checkpoint
+from lgvit.checkpoints.files import load_weights, save_checkpoint
 from lgvit.cli import main
 from lgvit.core.errors import LgvitError
 from lgvit.models.layers import DropPath
+from lgvit.models.loading import load_initial_weights
 from lgvit.models.lsa import CIFAR_SHIFTS, shift_patch_index
 from lgvit.models.lsa_authors import AUTHORS_IMAGENET_SHIFTS, SharedNorm
 from lgvit.tools.measure import count_params

@@ -17,7 +17,7 @@ from conftest import quick_init
 from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
 
 import lgvit
-from lgvit.models.registry import adapt_first_convs, adapt_input_conv
+from lgvit.models.loading import adapt_first_convs, adapt_input_conv
 
 ALL = lgvit.list_models()
 

@@ -101,10 +101,9 @@ def load_task_weights(
     """``weights`` into ``model`` strictly, the authors' layout (``authors``: its test and its
     mapping to lgvit's keys) mapped first."""
     from lgvit.checkpoints.files import load_into
+    from lgvit.models.loading import adapt_state_dict
 
-    is_layout, convert = authors
-    if is_layout(weights):
-        weights = convert(weights, model, str(checkpoint))
+    weights = adapt_state_dict(model, weights, str(checkpoint), (authors,))
     load_into(model, weights, str(checkpoint), what)
 
 

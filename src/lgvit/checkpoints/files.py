@@ -95,9 +95,11 @@ __all__ = [
     "load_record",
     "load_train_state",
     "load_weights",
+    "load_weights_and_metadata",
     "restore_rng_state",
     "save_checkpoint",
     "save_error",
+    "short_reason",
     "state_dict_to_cpu",
 ]
 
@@ -207,7 +209,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         if py is not None:
             random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
-        raise LgvitError(f"rng state: cannot restore ({_reason(e)})") from None
+        raise LgvitError(f"rng state: cannot restore ({short_reason(e)})") from None
 
 
 def build_train_state(
@@ -347,7 +349,7 @@ def _glob_escape(name: str) -> str:
 # --------------------------------------------------------------------------- loading
 
 
-def _reason(e: BaseException) -> str:
+def short_reason(e: BaseException) -> str:
     """A library error as a short clause: its first line, first sentence, 200 characters."""
     line = re.split(r"(?<=\.)\s", first_line(e))[0]  # torch appends paragraphs of advice
     return line if len(line) <= 200 else line[:197] + "..."
@@ -370,7 +372,7 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
         raise LgvitError(
-            f"{path}: not a valid safetensors file, corrupt or truncated ({_reason(e)})"
+            f"{path}: not a valid safetensors file, corrupt or truncated ({short_reason(e)})"
         ) from None
     return tensors, meta
 
@@ -437,7 +439,7 @@ def _torch_load(path: Path) -> Any:
         raise refused_pickle_error(path, e) from None
     except Exception as e:
         raise LgvitError(
-            f"{path}: not a valid PyTorch checkpoint, corrupt or truncated ({_reason(e)})"
+            f"{path}: not a valid PyTorch checkpoint, corrupt or truncated ({short_reason(e)})"
         ) from None
 
 
@@ -497,27 +499,38 @@ def load_weights(path: str | Path) -> dict[str, Tensor]:
     read again with every such object replaced by an inert placeholder -- nothing it names is
     imported or called -- and its weights are used if they are plain tensors; otherwise the
     refusal stands."""
-    resolved = _resolve_weights_path(Path(path))
+    return _read_weights(Path(path))[0]
+
+
+def load_weights_and_metadata(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """:func:`load_weights`'s tensors and the string metadata of the same file's safetensors
+    header (empty for a ``.pt``/``.pth``), the path resolved and the file read once: a
+    checkpoint's record (``CheckpointRecord.from_meta``) comes from the bytes its weights do."""
+    return _read_weights(Path(path))
+
+
+def _read_weights(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    resolved = _resolve_weights_path(path)
     if resolved.name.endswith(WEIGHTS_SUFFIX):
-        tensors, _ = _read_safetensors(resolved)
+        tensors, meta = _read_safetensors(resolved)
         if not tensors:
             raise LgvitError(f"{resolved}: holds no tensors")
-    else:
+        return clean_state_dict(tensors), meta
+    try:
+        obj = _torch_load(resolved)
+    except LgvitError as refused:
+        if "refusing to load" not in str(refused):
+            raise
+        calls: list[str] = []
         try:
-            obj = _torch_load(resolved)
-        except LgvitError as refused:
-            if "refusing to load" not in str(refused):
-                raise
-            calls: list[str] = []
-            try:
-                obj = torch_load_data_only(resolved, calls)
-                tensors = _as_state_dict(obj, resolved)
-            except Exception:
-                raise refused from None
-            warnings.warn(_left_out(resolved, obj, calls), stacklevel=2)
-            return clean_state_dict(tensors)
-        tensors = _as_state_dict(obj, resolved)
-    return clean_state_dict(tensors)
+            obj = torch_load_data_only(resolved, calls)
+            tensors = _as_state_dict(obj, resolved)
+        except Exception:
+            raise refused from None
+        # stacklevel 3: the warning names the caller of load_weights / load_weights_and_metadata
+        warnings.warn(_left_out(resolved, obj, calls), stacklevel=3)
+        return clean_state_dict(tensors), {}
+    return clean_state_dict(_as_state_dict(obj, resolved)), {}
 
 
 def _left_out(path: Path, obj: Any, calls: list[str]) -> UserWarning:
@@ -642,34 +655,3 @@ def load_into(model: nn.Module, weights: dict[str, Tensor], source: str, what: s
     except RuntimeError as e:
         detail = (error_lines(e)[1:] or [first_line(e)])[0]
         raise LgvitError(f"{source} does not fit {what}: {detail}") from None
-
-
-def load_initial_weights(model: nn.Module, path: str) -> str:
-    """Fine-tuning start: weights only from ``path`` (an lgvit checkpoint, ``.safetensors`` or
-    ``.pth``); a classifier of another class count is dropped (the new head stays freshly
-    initialised), position embeddings of another grid are resized by the model's load hooks.
-    Anything else that does not fit is a one-line error. Returns a line for the log."""
-    sd = load_weights(path)
-    if hasattr(model, "checkpoint_filter_fn"):
-        sd = model.checkpoint_filter_fn(sd)
-    own = model.state_dict()
-    head = getattr(model, "pretrained_cfg", {}).get("classifier", "head")
-    dropped = [
-        k for k in sd if k.startswith(head + ".") and k in own and sd[k].shape != own[k].shape
-    ]
-    for k in dropped:
-        del sd[k]
-    check_weight_dtypes(sd, own, path)
-    try:
-        missing, unexpected = model.load_state_dict(sd, strict=False)
-    except RuntimeError as e:  # a shape the load hooks cannot fit: torch names key and shapes
-        detail = next((ln for ln in error_lines(e) if "size mismatch" in ln), _reason(e))
-        raise LgvitError(
-            f"--initial-checkpoint {path} does not fit {model.model_name}: {detail}"
-        ) from None
-    missing = [k for k in missing if k not in dropped]
-    if missing or unexpected:
-        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise LgvitError(f"--initial-checkpoint {path} does not fit {model.model_name}: {what}")
-    note = f" (its {head} for another class count dropped)" if dropped else ""
-    return f"started from the weights of {path}{note}"

@@ -91,3 +91,7 @@ def mmdet_to_lgvit(
             key = re.sub(pattern, repl, key)
         out[key] = _background_first(key, value)
     return out
+
+
+# The layout for :func:`lgvit.models.loading.adapt_state_dict`: its test and its mapping.
+MMDET_LAYOUT = (is_mmdet_layout, mmdet_to_lgvit)

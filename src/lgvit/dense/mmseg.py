@@ -56,6 +56,8 @@ def backbone_to_lgvit(
     ``norm{i}`` -> ``norms.{position of i in out_indices}``, the rest through the model's own
     mapping of the authors' classification layout. A level the authors normalise but we do not
     output (LIT-S's stride-4 map in RetinaNet) is left out."""
+    from lgvit.models.loading import adapt_state_dict
+
     out: dict[str, torch.Tensor] = {}
     inner: dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
@@ -66,7 +68,7 @@ def backbone_to_lgvit(
             out[f"norms.{backbone.out_indices.index(int(m[1]))}.{m[2]}"] = value
         else:
             inner[key] = value
-    mapped = backbone.model.checkpoint_filter_fn(inner)
+    mapped = adapt_state_dict(backbone.model, inner, source)
     for key, value in backbone.model.state_dict().items():
         if key not in mapped and key.endswith("cls_token"):  # LIT-Ti's dense code has none
             mapped[key] = value
@@ -87,3 +89,7 @@ def mmseg_to_lgvit(
                 key = pattern.sub(repl, key)
             out[key] = value
     return out
+
+
+# The layout for :func:`lgvit.models.loading.adapt_state_dict`: its test and its mapping.
+MMSEG_LAYOUT = (is_mmseg_layout, mmseg_to_lgvit)

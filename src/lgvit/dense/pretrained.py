@@ -26,14 +26,12 @@ def load_dense_file(model: nn.Module, path: str | Path, what: str) -> None:
     mmdet or mmseg layout mapped first (mmdet's is tested first: its FPN neck has mmseg's
     keys too); non-finite weights refused."""
     from lgvit.checkpoints.files import check_finite_weights, load_into, load_weights
-    from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
-    from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
+    from lgvit.dense.mmdet import MMDET_LAYOUT
+    from lgvit.dense.mmseg import MMSEG_LAYOUT
+    from lgvit.models.loading import adapt_state_dict
 
-    weights = load_weights(path)
-    if is_mmdet_layout(weights):
-        weights = mmdet_to_lgvit(weights, model, str(path))
-    elif is_mmseg_layout(weights):
-        weights = mmseg_to_lgvit(weights, model, str(path))
+    layouts = (MMDET_LAYOUT, MMSEG_LAYOUT)
+    weights = adapt_state_dict(model, load_weights(path), str(path), layouts)
     load_into(model, weights, str(path), what)
     check_finite_weights(model, path)
 
@@ -56,25 +54,18 @@ def create_released(
     w: Weights, build: Callable[..., nn.Module], kwargs: dict[str, Any],
     cache_dir: str | None = None,
 ) -> nn.Module:  # fmt: skip
-    """The dense model of ``w`` with its weights: ``build(**kwargs)`` makes the architecture. A
-    fresh download is checked on ``build()`` (the defaults), kept as the result when ``kwargs``
-    asks for nothing else."""
-    from lgvit.models.download import fetch, quiet_left_out
+    """The dense model of ``w`` with its weights: ``build(**kwargs)`` makes the architecture,
+    the authors' file loads into it (the shared builder,
+    :func:`~lgvit.models.loading.create_released`: a fresh download is checked on ``build()``,
+    the defaults, kept as the result when ``kwargs`` asks for nothing else)."""
+    from lgvit.models.loading import create_released as with_released
 
-    def verify(path: Path) -> nn.Module:
-        model = build()
+    def make(path: Path, kw: dict[str, Any]) -> nn.Module:
+        model = build(**kw)
         load_dense_file(model, path, _what(w))
         return model
 
-    got = fetch(w, verify, cache_dir)
-    if got.built is not None and not kwargs:
-        model = got.built
-    else:
-        model = build(**kwargs)
-        with quiet_left_out():
-            load_dense_file(model, got.path, _what(w))
-    model.pretrained_cfg = {**model.pretrained_cfg, **w.pretrained_cfg()}
-    return model
+    return with_released(w, make, kwargs, cache_dir)
 
 
 def released_checkpoint(

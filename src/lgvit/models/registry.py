@@ -18,7 +18,14 @@ import torch
 import torch.nn as nn
 
 from lgvit.core.constants import CIFAR10_MEAN, CIFAR10_STD, CROP_PCT, IMAGENET_MEAN, IMAGENET_STD
-from lgvit.core.errors import LgvitError, error_lines, first_line
+from lgvit.core.errors import LgvitError, first_line
+from lgvit.models.loading import (
+    FOLDER,
+    RELEASED,
+    create_released,
+    load_checkpoint,
+    weights_source,
+)
 
 if TYPE_CHECKING:
     from lgvit.checkpoints.record import CheckpointRecord
@@ -231,38 +238,44 @@ def create_model(
             (``out_indices`` chooses which; default every stage), with ``feature_info``.
         pretrained_cfg_overlay: timm's; ``dict(file=PATH)`` with ``pretrained=True`` loads PATH.
         overrides: architecture arguments (``img_size=64``, ``drop_path_rate=0.2``, ...).
+
+    Where the weights come from is settled first (:func:`~lgvit.models.loading.weights_source`:
+    a folder, the released file, a checkpoint file or none), then that source's model is built
+    and loaded (:mod:`lgvit.models.loading` adapts and loads every state dict).
     """
     if num_classes is not None:  # the caller's own arguments: named as theirs
         _check_num_classes(num_classes)
     _check_img_size(overrides.get("img_size"))
-    from lgvit.models.hub import FOLDER_PREFIXES
+    source = weights_source(name, pretrained, checkpoint_path, pretrained_cfg_overlay)
+    if source.kind == FOLDER:
+        model = _create_from_folder(name, num_classes, overrides)
+    elif source.kind == RELEASED:
+        model = _create_pretrained(name, num_classes, cache_dir, overrides)
+    else:
+        model = _create_from_file(_architecture(name), source.path, num_classes, overrides)
+    return FeatureMaps(model, out_indices) if features_only else model
 
-    if name.startswith(FOLDER_PREFIXES):
-        if num_classes is not None:
-            overrides["num_classes"] = num_classes
-        model = _create_from_folder(name, **overrides)
-        return FeatureMaps(model, out_indices) if features_only else model
-    if pretrained and checkpoint_path is None:
-        checkpoint_path = (pretrained_cfg_overlay or {}).get("file")  # timm's file, by hand
-        if checkpoint_path is None:  # the released weights, from the cache
-            model = _create_pretrained(name, num_classes, cache_dir, overrides)
-            return FeatureMaps(model, out_indices) if features_only else model
-        checkpoint_path = str(checkpoint_path)
-    name = _architecture(name)
+
+def _architecture(name: str) -> str:
+    """The registered model ``name`` (or ``name.tag``, whose tag must exist) builds."""
+    if "." in name:
+        from lgvit.models.weights import find_weights, resolve_weights
+
+        _check_name(name.partition(".")[0])
+        name = (find_weights(name) or resolve_weights(name)).model
+    _check_name(name)
+    return name
+
+
+def _create_from_file(
+    name: str, path: str | None, num_classes: int | None, overrides: dict[str, Any]
+) -> nn.Module:
+    """The registered model ``name``, with the weights of the checkpoint ``path`` when one is
+    given: the file read once, the input size and architecture choices its record holds
+    taken where the caller gave none."""
     cfg = _CONFIGS[name]
-    weights, record = None, None
-    if checkpoint_path is not None:
-        from lgvit.checkpoints.files import load_record, load_weights
-
-        weights = load_weights(checkpoint_path)
-        owner = checkpoint_layout_owner(weights)
-        if owner is not None and owner != name:  # refused before anything is built
-            raise LgvitError(
-                f"{checkpoint_path} is a checkpoint in the authors' layout of {owner}, which "
-                f"{name} does not read: load it as {owner} (create_model('{owner}', "
-                f"checkpoint_path=...), --model {owner})"
-            )
-        record = load_record(checkpoint_path)  # malformed: one line, file and key; .pth: none
+    weights, record = _read_checkpoint(path, name) if path is not None else (None, None)
+    if record is not None:
         if record.img_size is not None:
             overrides.setdefault("img_size", record.img_size)
         for key, value in (record.model_kwargs or {}).items():
@@ -278,7 +291,7 @@ def create_model(
         if record is None or not record.model_kwargs:
             raise
         raise LgvitError(
-            f"{checkpoint_path}: metadata model_kwargs do not fit {name} ({first_line(e)})"
+            f"{path}: metadata model_kwargs do not fit {name} ({first_line(e)})"
         ) from None
     # The architecture arguments, so save_pretrained can write them (class count aside, and
     # LIT's deform_impl: which kernel runs on this machine, not what the model is).
@@ -286,43 +299,50 @@ def create_model(
         k: v for k, v in overrides.items() if k not in ("num_classes", "deform_impl")
     }
     if weights is not None:
-        _load_checkpoint(model, weights, checkpoint_path, name, cfg, explicit=num_classes)
+        load_checkpoint(
+            model, weights, str(path), name, cfg.first_conv, cfg.classifier, num_classes
+        )
     model.pretrained_cfg = pretrained_cfg_for(name, model, record)
     model.model_name = name
-    return FeatureMaps(model, out_indices) if features_only else model
+    return model
 
 
-def _architecture(name: str) -> str:
-    """The registered model ``name`` (or ``name.tag``, whose tag must exist) builds."""
-    if "." in name:
-        from lgvit.models.weights import find_weights, resolve_weights
+def _read_checkpoint(path: str, name: str) -> tuple[dict[str, torch.Tensor], CheckpointRecord]:
+    """The weights and the record of the checkpoint ``path``, from one read of the file; a file
+    in the authors' layout of another model is refused before anything is built."""
+    from lgvit.checkpoints.files import load_weights_and_metadata
+    from lgvit.checkpoints.record import CheckpointRecord
 
-        _check_name(name.partition(".")[0])
-        name = (find_weights(name) or resolve_weights(name)).model
-    _check_name(name)
-    return name
+    weights, meta = load_weights_and_metadata(path)
+    owner = checkpoint_layout_owner(weights)
+    if owner is not None and owner != name:
+        raise LgvitError(
+            f"{path} is a checkpoint in the authors' layout of {owner}, which "
+            f"{name} does not read: load it as {owner} (create_model('{owner}', "
+            f"checkpoint_path=...), --model {owner})"
+        )
+    record = CheckpointRecord.from_meta(meta, path)  # malformed: one line, file and key
+    return weights, record
 
 
 def _create_pretrained(
     name: str, num_classes: int | None, cache_dir: str | None, overrides: dict[str, Any]
 ) -> nn.Module:
-    """``name`` (``model`` or ``model.tag``) with its released weights from the cache. A fresh
-    download is checked on the model as registered (so an architecture argument of the caller's
-    never condemns a good file); that model is kept when the caller asked for no other."""
-    from lgvit.models.download import fetch, quiet_left_out
+    """``name`` (``model`` or ``model.tag``) with its released weights from the cache (the
+    shared builder, :func:`~lgvit.models.loading.create_released`); another ``num_classes``
+    gets a new classifier on them (timm's rule)."""
     from lgvit.models.weights import resolve_weights
 
     _check_name(name.partition(".")[0])
     w = resolve_weights(name)
-    got = fetch(w, lambda path: create_model(w.model, checkpoint_path=str(path)), cache_dir)
-    if got.built is not None and not overrides:
-        model = got.built
-    else:
-        with quiet_left_out():
-            model = create_model(w.model, checkpoint_path=str(got.path), **overrides)
+
+    def make(path: Any, kwargs: dict[str, Any]) -> nn.Module:
+        return create_model(w.model, checkpoint_path=str(path), **kwargs)
+
+    model = create_released(w, make, overrides, cache_dir)
     if num_classes is not None and num_classes != model.num_classes:
         model.reset_classifier(num_classes)  # timm's meaning: their weights, a new classifier
-    model.pretrained_cfg.update(w.pretrained_cfg(), num_classes=model.num_classes)
+    model.pretrained_cfg["num_classes"] = model.num_classes
     return model
 
 
@@ -334,11 +354,13 @@ def _hub_folder(name: str) -> Any:
     return where if kind == "local-dir" else hub.download(where)
 
 
-def _create_from_folder(name: str, **overrides: Any) -> nn.Module:
+def _create_from_folder(name: str, num_classes: int | None, overrides: dict[str, Any]) -> nn.Module:
     """``local-dir:DIR`` / ``hf-hub:ORG/NAME``: the architecture the folder's config names,
     its arguments, weights, preprocessing and class names."""
     from lgvit.models import hub
 
+    if num_classes is not None:
+        overrides["num_classes"] = num_classes
     folder = _hub_folder(name)
     config = hub.read_config(folder)
     arch = config["architecture"]
@@ -354,66 +376,6 @@ def _create_from_folder(name: str, **overrides: Any) -> nn.Module:
     resized = bool({"img_size", "in_chans"} & overrides.keys())  # the caller's input
     hub.apply_saved_cfg(model, config, str(folder), resized)
     return model
-
-
-def adapt_input_conv(weight: torch.Tensor, in_chans: int) -> torch.Tensor:
-    """A first conv's ``weight`` trained on other input channels (RGB), for ``in_chans``: one
-    channel takes their sum (a grey image gets the response its colour had); more repeat them,
-    cut to ``in_chans``, scaled by (channels trained) / ``in_chans`` so that an image repeated
-    over the channels keeps its response. The channel axis is -3: ``(out, in, k, k)`` or LSA's
-    stacked ``(T, out, in, k, k)``."""
-    w = weight.float()  # summed in float32, whatever the checkpoint's precision
-    if in_chans == 1:
-        w = w.sum(dim=-3, keepdim=True)
-    else:
-        have = w.shape[-3]
-        w = torch.cat([w] * -(-in_chans // have), dim=-3)[..., :in_chans, :, :] * (have / in_chans)
-    return w.to(weight.dtype)
-
-
-def adapt_first_convs(
-    weights: dict[str, torch.Tensor], model: nn.Module, first_conv: str | tuple[str, ...]
-) -> dict[str, torch.Tensor]:
-    """``weights`` with each ``first_conv`` weight adapted (:func:`adapt_input_conv`) to the
-    model's input channels where they differ."""
-    own = model.state_dict()
-    for name in (first_conv,) if isinstance(first_conv, str) else first_conv:
-        key = f"{name}.weight"
-        w, want = weights.get(key), own.get(key)
-        if w is not None and want is not None and w.ndim == want.ndim >= 3:
-            if w.shape[-3] != want.shape[-3]:
-                weights = {**weights, key: adapt_input_conv(w, want.shape[-3])}
-    return weights
-
-
-def _load_checkpoint(
-    model: nn.Module,
-    weights: dict[str, torch.Tensor],
-    path: str,
-    name: str,
-    cfg: ModelConfig,
-    explicit: int | None,
-) -> None:
-    """Map (authors' layouts), fit the head, load strictly; errors are one line."""
-    filt = getattr(model, "checkpoint_filter_fn", None)
-    weights = filt(weights) if filt is not None else weights
-    weights = adapt_first_convs(weights, model, cfg.first_conv)  # RGB weights, in_chans != 3
-    from lgvit.checkpoints.files import check_weight_dtypes
-
-    check_weight_dtypes(weights, model.state_dict(), path)  # int or bool where floats belong
-    head_w = weights.get(f"{cfg.classifier}.weight")
-    if head_w is not None and head_w.shape[0] != getattr(model, "num_classes", head_w.shape[0]):
-        if explicit is not None:
-            raise LgvitError(
-                f"{path} has a {head_w.shape[0]}-class head but num_classes={explicit} was asked"
-                " for; drop its head first or pass the checkpoint's class count"
-            )
-        model.reset_classifier(head_w.shape[0])
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as e:
-        detail = (error_lines(e)[1:] or [first_line(e)])[0]
-        raise LgvitError(f"{path} does not fit model {name}: {detail}") from None
 
 
 class FeatureMaps(nn.Module):

@@ -26,7 +26,6 @@ import torch.nn as nn
 from lgvit.checkpoints.files import (
     build_train_state,
     check_same_classes,
-    load_initial_weights,
     restore_rng_state,
     save_checkpoint,
     save_error,
@@ -50,6 +49,7 @@ from lgvit.data.protocol import Loader, TrainLoader, check_loaders, skipped_in_p
 from lgvit.inference import initial_weights_file
 from lgvit.models.download import random_state_kept
 from lgvit.models.layers.attention import fuse_older_qkv
+from lgvit.models.loading import load_initial_weights
 from lgvit.run.compiled import compile_net
 from lgvit.run.config import TrainConfig, config_to_dict, save_config, scaled_lr
 from lgvit.run.kept import keep_epoch, kept_score

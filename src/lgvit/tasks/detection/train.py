@@ -169,15 +169,15 @@ class DetectionTask:
         ``.pth``) fine-tunes the whole detector; anything else is the backbone's
         classification weights (lgvit's, the authors' ``.pth``, timm's), head left out."""
         from lgvit.checkpoints.files import load_into, load_weights
-        from lgvit.dense.mmdet import is_mmdet_layout, mmdet_to_lgvit
+        from lgvit.dense.mmdet import MMDET_LAYOUT, is_mmdet_layout
         from lgvit.models import create_model
+        from lgvit.models.loading import adapt_state_dict
 
         weights = load_weights(path)
         flag = f"--initial-checkpoint {path}"
         what = f"{self.cfg.detector} on {self.cfg.model}"
         if is_mmdet_layout(weights) or any(k.startswith("backbone.body.") for k in weights):
-            if is_mmdet_layout(weights):
-                weights = mmdet_to_lgvit(weights, model, path)
+            weights = adapt_state_dict(model, weights, path, (MMDET_LAYOUT,))
             load_into(model, weights, flag, what)
             return f"started from the {what} weights of {path}"
         try:

@@ -159,14 +159,14 @@ class SegmentationTask:
         anything else is the backbone's classification weights (lgvit's, the authors'
         ``.pth``, timm's), read as ``create_model`` reads them, head and final norm left out."""
         from lgvit.checkpoints.files import load_into, load_weights
-        from lgvit.dense.mmseg import is_mmseg_layout, mmseg_to_lgvit
+        from lgvit.dense.mmseg import MMSEG_LAYOUT, is_mmseg_layout
         from lgvit.models import create_model
+        from lgvit.models.loading import adapt_state_dict
 
         weights = load_weights(path)
         flag = f"--initial-checkpoint {path}"
         if is_mmseg_layout(weights) or any(k.startswith("decode_head.") for k in weights):
-            if is_mmseg_layout(weights):
-                weights = mmseg_to_lgvit(weights, model, path)
+            weights = adapt_state_dict(model, weights, path, (MMSEG_LAYOUT,))
             own = model.state_dict()
             head = [k for k in weights if k.startswith("decode_head.conv_seg.")
                     and k in own and weights[k].shape != own[k].shape]  # fmt: skip
