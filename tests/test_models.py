@@ -243,8 +243,10 @@ def test_global_attention_grouped_heads_match_reference():
     torch.manual_seed(0)
     att = Attention(16, num_heads=4, kv_heads=2).eval()
     x = torch.randn(2, 6, 16)
-    q = att.q(x).view(2, 6, 4, 4).transpose(1, 2)
-    k, v = att.kv(x).view(2, 6, 2, 2, 4).permute(2, 0, 3, 1, 4)
+    wq, wkv = att.qkv.weight.split([16, 16])  # the fused projection's rows: q, then k and v
+    bq, bkv = att.qkv.bias.split([16, 16])
+    q = F.linear(x, wq, bq).view(2, 6, 4, 4).transpose(1, 2)
+    k, v = F.linear(x, wkv, bkv).view(2, 6, 2, 2, 4).permute(2, 0, 3, 1, 4)
     k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     ref = torch.softmax(q @ k.transpose(-1, -2) / 2.0, -1) @ v
     ref = att.proj(ref.transpose(1, 2).reshape(2, 6, 16))

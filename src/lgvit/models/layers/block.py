@@ -79,3 +79,8 @@ class Block(nn.Module):
         if self.attn is not None:
             x = self.residual(x, self.attn(self.norm1(x), hw), self.drop_path1)
         return self.residual(x, self.mlp(self.norm2(x), hw), self.drop_path2)
+
+
+# torch.fx: one graph node (its arithmetic depends on the dtype and the rate); fx.wrap takes
+# effect in the module that calls the function, which is this one.
+torch.fx.wrap("residual_add")

@@ -39,9 +39,8 @@ def residual_add(
     return torch.addcmul(x, y, mask.to(x.dtype).div_(keep))
 
 
-# torch.fx: one graph node each (their arithmetic depends on the dtype).
+# torch.fx: one graph node (its arithmetic depends on the dtype).
 torch.fx.wrap("drop_path")
-torch.fx.wrap("residual_add")
 
 
 class DropPath(nn.Module):
