@@ -203,12 +203,12 @@ def initial_weights_file(source: str, model_name: str | None) -> str:
     released = _released(source, model_name)
     if released is None:
         return source
-    from lgvit.models import create_model
+    from lgvit.dense.pretrained import verifier
     from lgvit.models.download import fetch
     from lgvit.models.weights import find_weights
 
     w = find_weights(released)
-    return str(fetch(w, lambda path: create_model(w.model, checkpoint_path=str(path))).path)
+    return str(fetch(w, verifier(w)).path)
 
 
 def folder_weights_file(source: str) -> str | None:

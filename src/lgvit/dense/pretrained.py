@@ -5,7 +5,9 @@ loaded strictly.
 ``create_detector(kind, backbone, pretrained=True)`` and ``create_segmenter(backbone,
 pretrained=True)`` come here (:func:`create_released`), and so does a checkpoint given by name
 (``lit_ti.coco_maskrcnn_authors``) to ``lgvit eval`` / ``predict`` (:func:`released_checkpoint`).
-The builders are passed in: this module imports neither detection nor semfpn.
+The builders are passed in: this module imports neither detection nor semfpn. How a downloaded
+file of any task is checked (:func:`verifier`) is here too: ``lgvit weights --download``,
+``--initial-checkpoint`` by name and eval's names all ask it.
 """
 
 from __future__ import annotations
@@ -87,7 +89,19 @@ def released_checkpoint(
             raise LgvitError(f"{spec} are the weights of {want}, but {flag} {given} was given")
     from lgvit.models.download import fetch
 
-    def verify(path: Path) -> None:
-        load_dense_file(build(w), path, _what(w))
+    return str(fetch(w, verifier(w, build)).path), w
 
-    return str(fetch(w, verify).path), w
+
+def verifier(
+    w: Weights, build: Callable[[Weights], nn.Module] | None = None
+) -> Callable[[Path], Any]:
+    """How a downloaded file of ``w`` is checked, the one rule for every caller: loaded strictly
+    into the model it belongs to, as registered (classification: ``create_model(w.model,
+    checkpoint_path=...)``; a dense task: ``build(w)``, the authors' layout mapped)."""
+    if not get_task(w.task).dense:
+        from lgvit.models import create_model
+
+        return lambda path: create_model(w.model, checkpoint_path=str(path))
+    if build is None:
+        raise ValueError(f"{w.name}: a dense model's file is checked on build(entry), none given")
+    return lambda path: load_dense_file(build(w), path, _what(w))

@@ -54,19 +54,11 @@ def entry(name: str) -> Weights:
 
 def verifier(w: Weights) -> Callable[[Path], Any]:
     """Loads a downloaded file strictly into the model ``w`` belongs to (as registered)."""
-    task = get_task(w.task)
-    if not task.dense:
-        from lgvit.models import create_model
-
-        return lambda path: create_model(w.model, checkpoint_path=str(path))
-    from lgvit.dense.pretrained import load_dense_file
+    from lgvit.dense.pretrained import verifier as released_verifier
     from lgvit.tasks.dispatch import BUILD_RELEASED
 
-    def verify(path: Path) -> None:
-        model = BUILD_RELEASED[task.name](w)
-        load_dense_file(model, path, f"{w.detector or task.model_words} on {w.model}")
-
-    return verify
+    task = get_task(w.task)
+    return released_verifier(w, BUILD_RELEASED[task.name] if task.dense else None)
 
 
 def _row(w: Weights, cache_dir: str | None) -> dict[str, Any]:
